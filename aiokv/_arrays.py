@@ -1,0 +1,64 @@
+"""Turning caller-supplied integer sequences into checked int64 NumPy arrays.
+
+Every public entry point funnels its integer arguments through here, so that floats, NaN, bools,
+strings and values past int64 are refused with a message naming the argument, before any address is
+computed or anything reaches native code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import InvalidRequestError
+
+IntArray = npt.NDArray[np.int64]
+IntArrayLike = Sequence[int] | Sequence[Sequence[int]] | npt.NDArray[np.integer[Any]]
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def as_int64_array(value: object, name: str, *, ndim: int | None = None) -> IntArray:
+    """Return ``value`` as an int64 array, or raise ``TypeError``/``InvalidRequestError``.
+
+    Accepts NumPy integer arrays (any width; unsigned values past int64 are refused) and sequences of
+    Python ints. ``ndim`` pins the number of dimensions (an empty sequence is accepted for any).
+    """
+    if isinstance(value, (str, bytes, bytearray, memoryview)) or np.isscalar(value):
+        raise TypeError(f"{name} must be a sequence or array of integers, not {type(value).__name__}")
+    if isinstance(value, np.ndarray):
+        array: np.ndarray = value
+    else:
+        try:
+            array = np.asarray(value)
+        except (OverflowError, ValueError) as exc:
+            raise InvalidRequestError(f"{name} is not a regular array of int64 integers: {exc}") from exc
+    if array.dtype.kind == "u":
+        if array.size and int(array.max()) > _INT64_MAX:
+            raise InvalidRequestError(f"{name} has a value past the int64 range")
+    elif array.dtype.kind != "i":
+        if array.size == 0 and array.dtype.kind == "f":
+            # np.asarray([]) is float64; an empty sequence holds no wrong value.
+            array = array.astype(np.int64)
+        elif array.dtype.kind == "O":
+            raise InvalidRequestError(
+                f"{name} must hold integers within int64 (found values NumPy cannot store as integers)"
+            )
+        else:
+            raise TypeError(f"{name} must hold integers, found dtype {array.dtype}")
+    if ndim is not None and array.ndim != ndim and not (array.size == 0 and array.ndim == 1):
+        raise InvalidRequestError(f"{name} must be {ndim}-dimensional, got shape {array.shape}")
+    return np.ascontiguousarray(array, dtype=np.int64)
+
+
+def as_positive_int(value: object, name: str) -> int:
+    """Return ``value`` as a Python int > 0, refusing bools, floats and anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    result = int(value)
+    if result <= 0:
+        raise InvalidRequestError(f"{name} must be positive, got {result}")
+    return result

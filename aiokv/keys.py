@@ -1,0 +1,167 @@
+"""Deterministic chunk keys: chained prefix hashes plus a namespace.
+
+Chunk ``i``'s digest is ``SHA-256(digest[i-1] || tokens of chunk i)``, seeded with the chunk size, so
+equal prefixes give equal keys in every process (no salted ``hash()``), and a change to an early token
+changes every later key. Tokens are hashed as little-endian uint32 (every vocabulary fits). The
+namespace (model, layout fingerprint, group, ranks) is put in front when keys are built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from ._arrays import as_int64_array, as_positive_int
+from .errors import InvalidRequestError
+
+TokenIds = Sequence[int] | npt.NDArray[np.integer[Any]]
+BlockHash = bytes | str | int
+
+DIGEST_HEX_CHARS = 32  # 128 bits of the SHA-256 digest name a chunk
+_TOKEN_LIMIT = 1 << 32
+
+
+def token_bytes(token_ids: TokenIds) -> memoryview:
+    """The canonical byte encoding of a prompt (little-endian uint32), validated."""
+    if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.dtype("<u4"):
+        return memoryview(np.ascontiguousarray(token_ids)).cast("B")
+    tokens = as_int64_array(token_ids, "token_ids", ndim=1)
+    if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= _TOKEN_LIMIT):
+        raise InvalidRequestError("token_ids must be in [0, 2**32)")
+    return memoryview(tokens.astype("<u4")).cast("B")
+
+
+def chain_seed(chunk_tokens: int) -> bytes:
+    """The digest a chain starts from; chunk size is in it so differently chunked caches never meet."""
+    return hashlib.sha256(f"aiokv-chunk-v1|{chunk_tokens}".encode()).digest()
+
+
+def chain_digests(data: memoryview, piece_bytes: int, count: int, previous: bytes) -> list[bytes]:
+    """Digests of ``count`` consecutive pieces of ``data``, each chained on the one before.
+
+    Callers slice long prompts into several calls (passing the last digest on) to bound how long one
+    call holds the GIL.
+    """
+    out: list[bytes] = []
+    append = out.append
+    new_hash = hashlib.sha256().copy  # copying a ready context is cheaper than a fresh constructor
+    for offset in range(0, count * piece_bytes, piece_bytes):
+        h = new_hash()
+        h.update(previous)
+        h.update(data[offset : offset + piece_bytes])
+        previous = h.digest()
+        append(previous)
+    return out
+
+
+def digests_to_hex(digests: Sequence[bytes]) -> list[str]:
+    return [d[: DIGEST_HEX_CHARS // 2].hex() for d in digests]
+
+
+def chunk_hashes(token_ids: TokenIds, chunk_tokens: int) -> list[str]:
+    """One hex digest per whole chunk of ``token_ids`` (a trailing partial chunk has none)."""
+    chunk_tokens = as_positive_int(chunk_tokens, "chunk_tokens")
+    data = token_bytes(token_ids)
+    count = len(data) // 4 // chunk_tokens
+    return digests_to_hex(chain_digests(data, 4 * chunk_tokens, count, chain_seed(chunk_tokens)))
+
+
+def _block_hash_bytes(value: object, index: int) -> bytes:
+    if isinstance(value, bytes):
+        raw = value
+    elif isinstance(value, str):
+        raw = value.encode()
+    elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        number = int(value)
+        raw = number.to_bytes(number.bit_length() // 8 + 1, "little", signed=True)
+    else:
+        raise TypeError(f"block_hashes[{index}] must be bytes, str or int, not {type(value).__name__}")
+    # Length-prefixed so that no two different hash sequences concatenate to the same bytes.
+    return len(raw).to_bytes(4, "little") + raw
+
+
+@dataclass(frozen=True, slots=True)
+class HashedPrompt:
+    """A prompt reduced to its chunk digests: what the worker needs to build keys.
+
+    Compute it once per request (``HashedPrompt.from_tokens``) and reuse it for lookup, load and store;
+    engines that already hash their blocks use ``from_block_hashes``.
+    """
+
+    hashes: tuple[str, ...]
+    chunk_tokens: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens covered by whole chunks."""
+        return len(self.hashes) * self.chunk_tokens
+
+    @classmethod
+    def from_tokens(cls, token_ids: TokenIds, chunk_tokens: int) -> HashedPrompt:
+        return cls(
+            tuple(chunk_hashes(token_ids, chunk_tokens)), as_positive_int(chunk_tokens, "chunk_tokens")
+        )
+
+    @classmethod
+    def from_block_hashes(
+        cls, block_hashes: Sequence[BlockHash], block_size: int, chunk_tokens: int
+    ) -> HashedPrompt:
+        """Chain the engine's per-block hashes (bytes, str or int) chunk by chunk."""
+        block_size = as_positive_int(block_size, "block_size")
+        chunk_tokens = as_positive_int(chunk_tokens, "chunk_tokens")
+        if chunk_tokens % block_size:
+            raise InvalidRequestError(
+                f"chunk_tokens {chunk_tokens} is not a multiple of block_size {block_size}"
+            )
+        if isinstance(block_hashes, (str, bytes)):
+            raise TypeError("block_hashes must be a sequence of block hashes")
+        per_chunk = chunk_tokens // block_size
+        encoded = [_block_hash_bytes(v, i) for i, v in enumerate(block_hashes)]
+        previous = chain_seed(chunk_tokens) + b"|blocks"
+        digests = []
+        for start in range(0, len(encoded) - per_chunk + 1, per_chunk):
+            previous = hashlib.sha256(previous + b"".join(encoded[start : start + per_chunk])).digest()
+            digests.append(previous)
+        return cls(tuple(digests_to_hex(digests)), chunk_tokens)
+
+
+_FORBIDDEN = set(" \t\r\n")
+
+
+@dataclass(frozen=True, slots=True)
+class KeyNamespace:
+    """Everything besides the prefix that decides whose bytes a key names.
+
+    ``model``: the model (and revision) name. ``tp_rank``/``pp_rank``: the ranks whose shard of the KV
+    cache this process holds. ``share_across_tp``: the KV is byte-identical on every TP rank (MLA), so
+    all TP ranks use one key.
+    """
+
+    model: str
+    tp_rank: int = 0
+    pp_rank: int = 0
+    share_across_tp: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise TypeError("model must be a non-empty str")
+        if not self.model.isprintable() or _FORBIDDEN & set(self.model):
+            raise InvalidRequestError(f"model {self.model!r} must be printable and without whitespace")
+        for name in ("tp_rank", "pp_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidRequestError(f"{name} must be an int >= 0, got {value!r}")
+
+    def prefix(self, layout_fingerprint: str, group: int) -> str:
+        """The part of every key of one group that precedes the chunk digest."""
+        tp = "*" if self.share_across_tp else str(self.tp_rank)
+        return f"{self.model}/{layout_fingerprint}.g{group}.tp{tp}.pp{self.pp_rank}/"
+
+    def keys(self, hashes: Sequence[str], layout_fingerprint: str, group: int) -> list[str]:
+        prefix = self.prefix(layout_fingerprint, group)
+        return [prefix + h for h in hashes]
