@@ -17,8 +17,13 @@ from .errors import (
     TransferTimeoutError,
     WorkerClosedError,
 )
+from .futures import TransferFuture
 from .keys import HashedPrompt, KeyNamespace, chunk_hashes
 from .layout import KVLayout
+from .results import LoadResult, StoreResult
+from .runner import run
+from .threaded import SyncTransferFuture, ThreadedKVWorker
+from .worker import KVWorker
 
 if TYPE_CHECKING:
     from .backends.mooncake import MooncakeBackend
@@ -33,12 +38,19 @@ __all__ = [
     "HashedPrompt",
     "InvalidRequestError",
     "KVLayout",
+    "KVWorker",
     "KeyNamespace",
+    "LoadResult",
     "MemoryBackend",
     "MooncakeBackend",
+    "StoreResult",
+    "SyncTransferFuture",
+    "ThreadedKVWorker",
+    "TransferFuture",
     "TransferTimeoutError",
     "WorkerClosedError",
     "chunk_hashes",
+    "run",
 ]
 
 

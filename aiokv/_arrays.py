@@ -21,8 +21,15 @@ IntArrayLike = Sequence[int] | Sequence[Sequence[int]] | npt.NDArray[np.integer[
 _INT64_MAX = np.iinfo(np.int64).max
 
 
+class NonIntegerError(InvalidRequestError, TypeError):
+    """Values that are not integers (floats, NaN, bools, strings): a ``ValueError`` as the spec asks,
+    and still a ``TypeError`` for callers that caught that before."""
+
+
 def as_int64_array(value: object, name: str, *, ndim: int | None = None) -> IntArray:
     """Return ``value`` as an int64 array, or raise ``TypeError``/``InvalidRequestError``.
+
+    A non-sequence is a ``TypeError``; non-integer elements raise :class:`NonIntegerError` (both).
 
     Accepts NumPy integer arrays (any width; unsigned values past int64 are refused) and sequences of
     Python ints. ``ndim`` pins the number of dimensions (an empty sequence is accepted for any).
@@ -48,7 +55,7 @@ def as_int64_array(value: object, name: str, *, ndim: int | None = None) -> IntA
                 f"{name} must hold integers within int64 (found values NumPy cannot store as integers)"
             )
         else:
-            raise TypeError(f"{name} must hold integers, found dtype {array.dtype}")
+            raise NonIntegerError(f"{name} must hold integers, found dtype {array.dtype}")
     if ndim is not None and array.ndim != ndim and not (array.size == 0 and array.ndim == 1):
         raise InvalidRequestError(f"{name} must be {ndim}-dimensional, got shape {array.shape}")
     return np.ascontiguousarray(array, dtype=np.int64)

@@ -11,10 +11,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 
-from ._arrays import IntArray, IntArrayLike, as_int64_array, as_positive_int
+from ._arrays import IntArray, IntArrayLike, NonIntegerError, as_int64_array, as_positive_int
 from .errors import InvalidRequestError
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
@@ -171,7 +172,14 @@ class KVLayout:
         self, start: int, end: int, block_ids: IntArrayLike
     ) -> tuple[list[int], list[int], int]:
         """Single-chunk form of :meth:`prepare_values`, returning plain Python ints."""
-        addrs, sizes, bids = self.prepare_values(np.array([[start, end]], dtype=np.int64), block_ids)
+        # Checked here: ``np.array(..., dtype=int64)`` would silently truncate floats and parse strings.
+        for name, value in (("start", start), ("end", end)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise NonIntegerError(
+                    f"chunk 0 ({start!r}, {end!r}): {name} must be an int, not {type(value).__name__}"
+                )
+        # A list, not an int64 array: values past int64 then fail validation instead of overflowing.
+        addrs, sizes, bids = self.prepare_values([(int(start), int(end))], block_ids)
         return addrs[0].tolist(), sizes[0].tolist(), int(bids[0])
 
     def regions_for_chunks(self, chunk_blocks: IntArray) -> list[RegionBatch]:
@@ -222,36 +230,44 @@ class KVLayout:
         """Validate chunk ranges; return (blocks per chunk, first physical block id per chunk)."""
         bs = self.block_size
         spans = ends - starts
-        bad = (starts < 0) | (spans <= 0) | (spans % bs != 0) | (starts % bs != 0)
-        if bad.any():
-            k = int(np.flatnonzero(bad)[0])
-            start, end, span = int(starts[k]), int(ends[k]), int(spans[k])
-            if start < 0:
-                problem = "start is negative"
-            elif span <= 0 or span % bs:
-                problem = f"span {span} is not a positive multiple of block_size {bs}"
-            else:
-                problem = f"start is not aligned to block_size {bs}"
-            raise InvalidRequestError(f"chunk {k} ({start}, {end}): {problem}")
+        # ``ends <= starts``, not ``spans <= 0``: for a negative end the difference can wrap around.
+        bad = (starts < 0) | (ends <= starts) | (spans % bs != 0) | (starts % bs != 0)
         first_index = starts // bs
-        past = first_index >= block_ids.size
-        if past.any():
-            k = int(np.flatnonzero(past)[0])
-            raise InvalidRequestError(
-                f"chunk {k} ({int(starts[k])}, {int(ends[k])}): block index {int(first_index[k])} "
-                f"is past the end of block_ids (length {block_ids.size})"
-            )
+        bad |= first_index >= block_ids.size
+        if bad.any():
+            self._raise_first_bad(starts, ends, block_ids)
         nblocks = spans // bs
         first_bids = block_ids[first_index]
         outside = (first_bids < 0) | (first_bids > self.num_blocks - nblocks)
         if outside.any():
-            k = int(np.flatnonzero(outside)[0])
-            bid = int(first_bids[k])
-            raise InvalidRequestError(
-                f"chunk {k} ({int(starts[k])}, {int(ends[k])}): physical blocks "
-                f"[{bid}, {bid + int(nblocks[k])}) fall outside the cache's {self.num_blocks} blocks"
-            )
+            self._raise_first_bad(starts, ends, block_ids)
         return nblocks, first_bids
+
+    def _raise_first_bad(self, starts: IntArray, ends: IntArray, block_ids: IntArray) -> NoReturn:
+        """Raise for the first chunk failing any check, whichever check it fails (error path only, so
+        a plain loop over Python ints: exact, no wraparound)."""
+        bs, num_blocks, table_len = self.block_size, self.num_blocks, block_ids.size
+        for k, (start, end) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
+            span = end - start
+            if start < 0:
+                problem = "start is negative"
+            elif span <= 0 or span % bs:
+                problem = f"span {span} is not a positive multiple of block_size {bs}"
+            elif start % bs:
+                problem = f"start is not aligned to block_size {bs}"
+            elif start // bs >= table_len:
+                problem = f"block index {start // bs} is past the end of block_ids (length {table_len})"
+            else:
+                bid = int(block_ids[start // bs])
+                if bid >= 0 and bid + span // bs <= num_blocks:
+                    continue
+                problem = (
+                    f"physical blocks [{bid}, {bid + span // bs}) fall outside the cache's "
+                    f"{num_blocks} blocks"
+                )
+            raise InvalidRequestError(f"chunk {k} ({start}, {end}): {problem}")
+        # Not reached: the vectorised checks above only call here when some chunk is bad.
+        raise InvalidRequestError("chunks failed validation")
 
 
 def _fingerprint(block_size: int, region_block_lens: IntArray, dtype: str) -> str:

@@ -13,6 +13,7 @@ import logging
 import math
 import threading
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -51,7 +52,7 @@ class MemoryBackend:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
         self.capacity_bytes = capacity_bytes
         self._lock = threading.Lock()
-        self._values: dict[str, Bytes] = {}
+        self._values: dict[str, _Value] = {}
         self._writing: set[str] = set()
         self._used = 0  # bytes stored or reserved by puts in progress
         self._memory = RegisteredMemory()
@@ -100,21 +101,31 @@ class MemoryBackend:
             self._writing |= claimed
         if not to_write:
             return codes
+        rows = np.asarray(to_write, dtype=np.int64)
         try:
-            rows = np.asarray(to_write, dtype=np.int64)
             sub = _select_keys(table, rows)
-            arena = np.empty(int(sub.sizes.sum()), dtype=np.uint8)
-            self._move(sub, arena, into_arena=True)
-            bounds = np.concatenate([[0], np.cumsum(totals[rows])]).tolist()
+            arena = np.empty(int(totals[rows].sum()), dtype=np.uint8)
+            buffer_starts, _ = self._memory.locate(sub.addrs, sub.sizes)
+            sources, source_of = np.unique(buffer_starts, return_inverse=True)
+            _copy(
+                [self._views[int(start)] for start in sources.tolist()],
+                source_of,
+                sub.addrs - buffer_starts,
+                [arena],
+                np.zeros(sub.sizes.size, dtype=np.int64),
+                _exclusive_cumsum(sub.sizes),
+                sub.sizes,
+            )
+            bounds = _exclusive_cumsum(totals[rows]).tolist()
         except BaseException:
             with self._lock:
                 self._writing -= {keys[k] for k in to_write}
-                self._used -= int(totals[to_write].sum())
+                self._used -= int(totals[rows].sum())
             raise
         with self._lock:
             for i, k in enumerate(to_write):
-                # Views share the batch's arena; the arena lives while any of its keys does.
-                self._values[keys[k]] = arena[bounds[i] : bounds[i + 1]]
+                # Values share the batch's arena, which lives while any of its keys does.
+                self._values[keys[k]] = _Value(arena, bounds[i], int(totals[k]))
                 self._writing.discard(keys[k])
         return codes
 
@@ -125,7 +136,7 @@ class MemoryBackend:
         valid = self._memory.valid_keys(table).tolist()
         totals = table.key_totals().tolist()
         codes: list[int] = []
-        found: list[Bytes] = []
+        found: list[_Value] = []
         rows: list[int] = []
         values = self._values
         for k, key in enumerate(keys):
@@ -141,8 +152,28 @@ class MemoryBackend:
                 found.append(value)
                 rows.append(k)
         if rows:
-            arena = np.concatenate(found) if len(found) > 1 else found[0]
-            self._move(_select_keys(table, np.asarray(rows, dtype=np.int64)), arena, into_arena=False)
+            sub = _select_keys(table, np.asarray(rows, dtype=np.int64))
+            arena_index: dict[int, int] = {}
+            arenas = []
+            for value in found:
+                if arena_index.setdefault(id(value.arena), len(arena_index)) == len(arenas):
+                    arenas.append(value.arena)
+            counts = np.diff(sub.offsets)
+            key_arena = np.array([arena_index[id(v.arena)] for v in found], dtype=np.int64)
+            key_offset = np.array([v.offset for v in found], dtype=np.int64)
+            starts = _exclusive_cumsum(sub.sizes)
+            within = starts - np.repeat(starts[sub.offsets[:-1]], counts)  # offset inside the value
+            buffer_starts, _ = self._memory.locate(sub.addrs, sub.sizes)
+            targets, target_of = np.unique(buffer_starts, return_inverse=True)
+            _copy(
+                arenas,
+                np.repeat(key_arena, counts),
+                np.repeat(key_offset, counts) + within,
+                [self._views[int(start)] for start in targets.tolist()],
+                target_of,
+                sub.addrs - buffer_starts,
+                sub.sizes,
+            )
         return codes
 
     def close(self) -> None:
@@ -182,26 +213,45 @@ class MemoryBackend:
         if self._closed:
             raise BackendError("MemoryBackend is closed")
 
-    def _move(self, table: RegionTable, arena: Bytes, *, into_arena: bool) -> None:
-        """Copy between registered memory (the regions of ``table``) and the contiguous ``arena``
-        holding the regions' bytes back to back."""
-        buffer_starts, _ = self._memory.locate(table.addrs, table.sizes)
-        relative = table.addrs - buffer_starts
-        arena_offsets = np.concatenate([[0], np.cumsum(table.sizes)[:-1]])
-        unit = math.gcd(*np.gcd.reduce(np.stack([relative, table.sizes, arena_offsets]), axis=1).tolist())
-        order = np.argsort(buffer_starts, kind="stable")
-        sorted_starts = buffer_starts[order]
-        cuts = np.flatnonzero(np.diff(sorted_starts)) + 1
-        arena_units = _as_units(arena, unit)
-        for group in np.split(order, cuts):
-            buffer_units = _as_units(self._views[int(buffer_starts[group[0]])], unit)
-            lengths = table.sizes[group] // unit
-            buffer_index = _expand_ranges(relative[group] // unit, lengths)
-            arena_index = _expand_ranges(arena_offsets[group] // unit, lengths)
-            if into_arena:
-                arena_units[arena_index] = buffer_units[buffer_index]
-            else:
-                buffer_units[buffer_index] = arena_units[arena_index]
+
+class _Value(NamedTuple):
+    """Where a key's bytes are: ``arena[offset : offset + size]``."""
+
+    arena: Bytes
+    offset: int
+    size: int
+
+
+def _copy(
+    sources: list[Bytes],
+    source_of: IntArray,
+    source_offsets: IntArray,
+    targets: list[Bytes],
+    target_of: IntArray,
+    target_offsets: IntArray,
+    sizes: IntArray,
+) -> None:
+    """Copy region ``j`` (``sizes[j]`` bytes) from ``sources[source_of[j]]`` at ``source_offsets[j]``
+    to ``targets[target_of[j]]`` at ``target_offsets[j]``: one fancy-indexing copy per
+    (source, target) pair, in units of the regions' common alignment."""
+    unit = math.gcd(*np.gcd.reduce(np.stack([source_offsets, target_offsets, sizes]), axis=1).tolist())
+    pair = source_of * len(targets) + target_of
+    order = np.argsort(pair, kind="stable")
+    cuts = np.flatnonzero(np.diff(pair[order])) + 1
+    for group in np.split(order, cuts):
+        first = int(group[0])
+        source = _as_units(sources[int(source_of[first])], unit)
+        target = _as_units(targets[int(target_of[first])], unit)
+        lengths = sizes[group] // unit
+        target[_expand_ranges(target_offsets[group] // unit, lengths)] = source[
+            _expand_ranges(source_offsets[group] // unit, lengths)
+        ]
+
+
+def _exclusive_cumsum(values: IntArray) -> IntArray:
+    out = np.zeros(values.size, dtype=np.int64)
+    np.cumsum(values[:-1], out=out[1:])
+    return out
 
 
 def _select_keys(table: RegionTable, rows: IntArray) -> RegionTable:

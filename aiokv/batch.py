@@ -1,0 +1,469 @@
+"""One dispatcher batch: from drained requests to backend calls and back.
+
+A batch runs these steps over everything the dispatcher drained:
+
+1. hash the prompts on the loop, in short slices, so the loop never stalls;
+2. build keys, and claim the store keys, so no key is written twice, by two requests of this batch
+   or by two overlapping batches (a claimed key's outcome is shared with every request that has it);
+3. one ``batch_exists`` for all keys;
+4. per KV-cache group one ``prepare_values`` call (in the executor) for every chunk to move;
+5. backend batch calls per group, split to at most ``max_regions_per_call`` regions each, so that no
+   call holds the GIL for long while the binding converts its arguments;
+6. per-chunk codes written back into each request.
+
+The bookkeeping is vectorised over chunks: per key only hashing, string building and one dict
+operation or two happen in Python.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import operator
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+from ._arrays import IntArray
+from .backends.base import NO_SPACE, NOT_FOUND, TRANSFER_FAILED, Backend
+from .errors import AiokvError, BackendError, BackendUnavailableError, InvalidRequestError
+from .keys import chain_digests, digests_to_hex, token_bytes
+from .layout import KVLayout
+from .requests import (
+    BACKEND_EXCEPTION,
+    NOT_ATTEMPTED,
+    PENDING,
+    PRESENT,
+    WRITER_CANCELLED,
+    WRITTEN,
+    Kind,
+    Request,
+    State,
+    Wait,
+)
+from .stats import WorkerStats
+
+logger = logging.getLogger("aiokv")
+
+T = TypeVar("T")
+InExecutor = Callable[..., Awaitable[Any]]
+
+_HASH_SLICE_CHUNKS = 128  # ~0.2 ms of hashing between yields to the loop
+_YIELD_EVERY_KEYS = 2048  # bookkeeping between yields to the loop
+
+
+@dataclass(eq=False, slots=True)
+class Cycle:
+    """The keys of one batch and the outcome of the store keys it claimed."""
+
+    outcomes_ready: asyncio.Future[None]
+    index: dict[str, int] = field(default_factory=dict)  # key -> position
+    owned: IntArray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    outcome: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    claimed: list[str] = field(default_factory=list)
+
+    def outcome_of(self, keys: Sequence[str]) -> IntArray:
+        positions = np.fromiter((self.index[k] for k in keys), dtype=np.int64, count=len(keys))
+        return self.outcome[positions]
+
+
+@dataclass(slots=True)
+class _Rows:
+    """Chunks of one request that one group moves: its block rows, and (for puts) key positions."""
+
+    request: Request
+    op: str  # "put" | "get"
+    chunks: IntArray
+    positions: IntArray
+
+
+class BatchRunner:
+    """Runs batches for a worker; owns the key claims and the store-pressure backoff."""
+
+    def __init__(
+        self,
+        *,
+        layouts: list[KVLayout],
+        prefixes: list[str],
+        chunk_tokens: int,
+        seed: bytes,
+        backend: Backend,
+        stats: WorkerStats,
+        max_regions_per_call: int,
+        pressure_backoff_s: float,
+        in_executor: InExecutor,
+        complete: Callable[[Request], None],
+        fail: Callable[[Request, BaseException], None],
+    ) -> None:
+        self.layouts = layouts
+        self.prefixes = prefixes
+        self.chunk_tokens = chunk_tokens
+        self.seed = seed
+        self.backend = backend
+        self.stats = stats
+        self.max_regions_per_call = max_regions_per_call
+        self.pressure_backoff_s = pressure_backoff_s
+        self._in_executor = in_executor
+        self._complete = complete
+        self._fail = fail
+        self._claims: dict[str, Cycle] = {}
+        self._backoff_until = 0.0
+
+    # -- transfers ------------------------------------------------------------------------------
+
+    async def run_transfers(self, batch: list[Request]) -> None:
+        loop = asyncio.get_running_loop()
+        cycle = Cycle(outcomes_ready=loop.create_future())
+        self.stats.batches += 1
+        try:
+            live = await self._prepare_keys(batch, cycle)
+            await self._claim(cycle, [r for r in live if r.kind is Kind.STORE])
+            present = await self._exists(cycle, live)
+            if present is not None:
+                live = [r for r in live if not r.finished]
+                plan = await self._decide(cycle, live, present, backing_off=loop.time() < self._backoff_until)
+                await asyncio.gather(
+                    *(self._transfer_group(cycle, g, rows) for g, rows in enumerate(plan) if rows)
+                )
+        except Exception as exc:  # a bug, not a backend fault: fail this batch, keep serving
+            logger.exception("aiokv: a batch of %d requests failed unexpectedly", len(batch))
+            error = AiokvError(f"internal error in the dispatcher: {exc!r}")
+            error.__cause__ = exc
+            for request in batch:
+                if request.state is State.TRANSFERRING:
+                    request.error = error
+                else:
+                    self._fail(request, error)
+        finally:
+            self._release_claims(cycle)
+        await self._finish(batch)
+
+    async def _prepare_keys(self, requests: list[Request], cycle: Cycle) -> list[Request]:
+        """Hash, build every key and its position in the batch's unique key list."""
+        await self._hash(requests)
+        live = [r for r in requests if not r.finished]
+        index = cycle.index
+        done_keys = 0
+        for request in live:
+            hashes = request.hashes
+            if hashes is None:
+                raise AiokvError(f"request #{request.id} reached key building unhashed")
+            request.keys = [[prefix + h for h in hashes] for prefix in self.prefixes]
+            request.positions = [
+                np.array([index.setdefault(k, len(index)) for k in keys], dtype=np.int64)
+                for keys in request.keys
+            ]
+            request.codes = [np.full(request.num_chunks, PENDING, dtype=np.int64) for _ in self.prefixes]
+            done_keys += request.num_chunks * len(self.prefixes)
+            if done_keys >= _YIELD_EVERY_KEYS:
+                done_keys = 0
+                await asyncio.sleep(0)
+        cycle.owned = np.zeros(len(index), dtype=bool)
+        cycle.outcome = np.full(len(index), PENDING, dtype=np.int64)
+        return live
+
+    async def _hash(self, requests: list[Request]) -> None:
+        """Chunk digests of requests that came with token ids, yielding to the loop between slices."""
+        c = self.chunk_tokens
+        for request in requests:
+            if request.hashes is not None or request.finished:
+                continue
+            tokens = request.tokens
+            digests: list[bytes] = []
+            previous = self.seed
+            try:
+                for first in range(0, request.num_chunks, _HASH_SLICE_CHUNKS):
+                    count = min(_HASH_SLICE_CHUNKS, request.num_chunks - first)
+                    data = token_bytes(tokens[first * c : (first + count) * c])  # type: ignore[index]
+                    digests += chain_digests(data, 4 * c, count, previous)
+                    previous = digests[-1]
+                    await asyncio.sleep(0)
+            except (TypeError, ValueError) as exc:
+                self._fail(request, InvalidRequestError(f"{request.kind.value} #{request.id}: {exc}"))
+                continue
+            request.hashes = digests_to_hex(digests)
+            request.tokens = None
+
+    async def _claim(self, cycle: Cycle, stores: list[Request]) -> None:
+        """Claim the store keys nobody claimed; a key claimed by another batch makes a Wait."""
+        claims = self._claims
+        done_keys = 0
+        for request in stores:
+            for group, keys in enumerate(request.keys):
+                owners = [claims.setdefault(k, cycle) for k in keys]
+                if owners.count(cycle) == len(owners):
+                    cycle.owned[request.positions[group]] = True
+                    continue
+                foreign = np.array([o is not cycle for o in owners], dtype=bool)
+                cycle.owned[request.positions[group][~foreign]] = True
+                for other in {id(o): o for o in owners if o is not cycle}.values():
+                    mine = np.flatnonzero([o is other for o in owners])
+                    request.waits.append(Wait(other, group, mine, [keys[i] for i in mine.tolist()]))
+            done_keys += request.num_chunks * len(self.prefixes)
+            if done_keys >= _YIELD_EVERY_KEYS:
+                done_keys = 0
+                await asyncio.sleep(0)
+        cycle.claimed = [k for k, p in cycle.index.items() if cycle.owned[p]]
+
+    async def _exists(self, cycle: Cycle, live: list[Request]) -> IntArray | None:
+        keys = list(cycle.index)
+        if not keys:
+            return np.zeros(0, dtype=bool)
+        self.stats.backend_calls["exists"] += 1
+        try:
+            answer = await self._in_executor(self.backend.batch_exists, keys)
+            if len(answer) != len(keys):
+                raise BackendError(f"batch_exists answered {len(answer)} values for {len(keys)} keys")
+            return np.asarray(answer, dtype=bool)
+        except Exception as exc:
+            self.stats.backend_exceptions["exists"] += 1
+            error = batch_error("batch_exists", exc)
+            logger.warning("aiokv: batch_exists of %d keys failed: %s", len(keys), exc)
+            for request in live:
+                self._fail(request, error)
+            return None
+
+    async def _decide(
+        self, cycle: Cycle, live: list[Request], present: IntArray, *, backing_off: bool
+    ) -> list[list[_Rows]]:
+        """Settle what needs no transfer; return per group the rows to move."""
+        plan: list[list[_Rows]] = [[] for _ in self.layouts]
+        taken = np.zeros(present.size, dtype=bool)  # store keys given a writer in this batch
+        done_keys = 0
+        for request in live:
+            if request.kind is Kind.STORE:
+                self._decide_store(cycle, request, present, taken, plan, backing_off=backing_off)
+            else:
+                self._decide_load(request, present, plan)
+            done_keys += request.num_chunks * len(self.prefixes)
+            if done_keys >= _YIELD_EVERY_KEYS:
+                done_keys = 0
+                await asyncio.sleep(0)
+        return plan
+
+    def _decide_store(
+        self,
+        cycle: Cycle,
+        request: Request,
+        present: IntArray,
+        taken: IntArray,
+        plan: list[list[_Rows]],
+        *,
+        backing_off: bool,
+    ) -> None:
+        for group, positions in enumerate(request.positions):
+            codes = request.codes[group]
+            own = cycle.owned[positions]
+            if not own.any():
+                continue
+            found = own & present[positions]
+            codes[found] = PRESENT
+            cycle.outcome[positions[found]] = PRESENT
+            missing = own & ~found
+            if backing_off:
+                codes[missing] = NO_SPACE
+                cycle.outcome[positions[missing]] = NO_SPACE
+                continue
+            first = missing & ~taken[positions]
+            duplicate = missing & ~first
+            taken[positions[first]] = True
+            if duplicate.any():
+                chunks = np.flatnonzero(duplicate)
+                request.waits.append(Wait(cycle, group, chunks, [request.keys[group][i] for i in chunks]))
+            if first.any():
+                chunks = np.flatnonzero(first)
+                plan[group].append(_Rows(request, "put", chunks, positions[chunks]))
+
+    def _decide_load(self, request: Request, present: IntArray, plan: list[list[_Rows]]) -> None:
+        found = np.stack([present[positions] for positions in request.positions])
+        holes = np.flatnonzero(~found.all(axis=0))
+        prefix = int(holes[0]) if holes.size else request.num_chunks
+        for group, codes in enumerate(request.codes):
+            codes[prefix:] = np.where(found[group, prefix:], NOT_ATTEMPTED, NOT_FOUND)
+            if prefix:
+                chunks = np.arange(prefix, dtype=np.int64)
+                plan[group].append(_Rows(request, "get", chunks, request.positions[group][:prefix]))
+
+    async def _transfer_group(self, cycle: Cycle, group: int, plan: list[_Rows]) -> None:
+        """One prepare_values call for the group, then its batch calls."""
+        layout = self.layouts[group]
+        matrix = np.concatenate([rows.request.blocks[group][rows.chunks] for rows in plan])
+        try:
+            region_batches = await self._in_executor(layout.regions_for_chunks, matrix)
+        except Exception as exc:
+            error = AiokvError(f"computing the regions of group {group} failed: {exc!r}")
+            error.__cause__ = exc
+            for rows in plan:
+                self._mark(cycle, group, rows, np.full(rows.chunks.size, BACKEND_EXCEPTION), error)
+            return
+        # Requests cancelled while the regions were computed are dropped before any backend call;
+        # the others are now in flight and their memory may be touched.
+        alive = np.array([not rows.request.abandoned for rows in plan], dtype=bool)
+        for rows, ok in zip(plan, alive.tolist(), strict=True):
+            if ok:
+                rows.request.state = State.TRANSFERRING
+            elif rows.op == "put":
+                cycle.outcome[rows.positions] = WRITER_CANCELLED
+        lengths = np.fromiter((rows.chunks.size for rows in plan), dtype=np.int64, count=len(plan))
+        plan_of_row = np.repeat(np.arange(len(plan)), lengths)
+        row_keys = [key for rows in plan for key in _pick(rows.request.keys[group], rows.chunks)]
+        is_put = np.array([rows.op == "put" for rows in plan], dtype=bool)[plan_of_row]
+        live_row = alive[plan_of_row]
+        calls = []
+        for regions in region_batches:
+            for op, wanted in (("put", is_put), ("get", ~is_put)):
+                mask = wanted[regions.rows] & live_row[regions.rows]
+                if not mask.any():
+                    continue
+                rows_idx = regions.rows[mask]
+                addrs, sizes = regions.addrs[mask], regions.sizes[mask]
+                per_call = max(1, self.max_regions_per_call // max(1, addrs.shape[1]))
+                for start in range(0, rows_idx.size, per_call):
+                    part = slice(start, start + per_call)
+                    calls.append(
+                        self._call(
+                            cycle,
+                            group,
+                            op,
+                            plan,
+                            plan_of_row,
+                            row_keys,
+                            rows_idx[part],
+                            addrs[part],
+                            sizes[part],
+                        )
+                    )
+        await asyncio.gather(*calls)
+
+    async def _call(
+        self,
+        cycle: Cycle,
+        group: int,
+        op: str,
+        plan: list[_Rows],
+        plan_of_row: IntArray,
+        row_keys: list[str],
+        row_index: IntArray,
+        addrs: IntArray,
+        sizes: IntArray,
+    ) -> None:
+        """One backend batch call over some rows of a group's plan."""
+        offsets = np.zeros(len(plan) + 1, dtype=np.int64)
+        np.cumsum([rows.chunks.size for rows in plan], out=offsets[1:])
+        owners = plan_of_row[row_index]
+        within = row_index - offsets[owners]  # row's index inside its _Rows
+        keys = _pick(row_keys, row_index)
+        expected = sizes.sum(axis=1)
+        call = self.backend.batch_put if op == "put" else self.backend.batch_get
+        self.stats.backend_calls[op] += 1
+        error: BaseException | None = None
+        try:
+            answer = await self._in_executor(call, keys, addrs, sizes)
+            if len(answer) != len(keys):
+                raise BackendError(f"batch_{op} answered {len(answer)} codes for {len(keys)} keys")
+            codes = np.asarray(answer, dtype=np.int64)
+        except Exception as exc:
+            self.stats.backend_exceptions[op] += 1
+            logger.warning("aiokv: batch_%s of %d keys failed: %s", op, len(keys), exc)
+            codes = np.full(len(keys), BACKEND_EXCEPTION, dtype=np.int64)
+            error = batch_error(f"batch_{op}", exc)
+        ok = codes >= 0
+        if op == "get":
+            # A read reporting another byte count did not fill the blocks as asked.
+            codes = np.where(ok & (codes != expected), TRANSFER_FAILED, codes)
+            ok = codes >= 0
+            self.stats.bytes["get"] += int(expected[ok].sum())
+        else:
+            codes = np.where(ok, WRITTEN, codes)
+            self.stats.bytes["put"] += int(expected[ok].sum())
+            if (codes == NO_SPACE).any() and self.pressure_backoff_s > 0:
+                self._enter_backoff()
+        if not ok.all():
+            self.stats.backend_errors.update(codes[~ok].tolist())
+        for owner in np.unique(owners).tolist():
+            mask = owners == owner
+            self._mark(cycle, group, plan[owner], codes[mask], error, inner=within[mask])
+
+    def _mark(
+        self,
+        cycle: Cycle,
+        group: int,
+        rows: _Rows,
+        codes: IntArray,
+        error: BaseException | None,
+        inner: IntArray | None = None,
+    ) -> None:
+        chunks = rows.chunks if inner is None else rows.chunks[inner]
+        rows.request.codes[group][chunks] = codes
+        if rows.op == "put":
+            cycle.outcome[rows.positions if inner is None else rows.positions[inner]] = codes
+        if error is not None and rows.request.error is None:
+            rows.request.error = error
+
+    def _enter_backoff(self) -> None:
+        now = asyncio.get_running_loop().time()
+        if now >= self._backoff_until:
+            self.stats.pressure_backoffs += 1
+            logger.warning("aiokv: store full (-200); backing off stores for %.2f s", self.pressure_backoff_s)
+        self._backoff_until = now + self.pressure_backoff_s
+
+    def _release_claims(self, cycle: Cycle) -> None:
+        claims = self._claims
+        for key in cycle.claimed:
+            if claims.get(key) is cycle:
+                del claims[key]
+        cycle.outcome[cycle.owned & (cycle.outcome == PENDING)] = WRITER_CANCELLED
+        if not cycle.outcomes_ready.done():
+            cycle.outcomes_ready.set_result(None)
+
+    async def _finish(self, batch: list[Request]) -> None:
+        """Resolve shared chunks from their writers' outcomes; complete every request."""
+        for request in batch:
+            if request.finished:
+                continue
+            for wait in request.waits:
+                await wait.cycle.outcomes_ready
+                outcome = wait.cycle.outcome_of(wait.keys)
+                request.codes[wait.group][wait.chunks] = np.where(outcome >= 0, PRESENT, outcome)
+            self._complete(request)
+
+    # -- lookups --------------------------------------------------------------------------------
+
+    async def run_lookups(self, batch: list[Request]) -> None:
+        cycle = Cycle(outcomes_ready=asyncio.get_running_loop().create_future())
+        try:
+            live = await self._prepare_keys(batch, cycle)
+            present = await self._exists(cycle, live)
+            if present is None:
+                return
+            for request in live:
+                if not request.finished:
+                    request.codes = [present[p].astype(np.int64) for p in request.positions]
+                    self._complete(request)
+        except Exception as exc:
+            logger.exception("aiokv: a lookup batch failed unexpectedly")
+            error = AiokvError(f"internal error in lookup: {exc!r}")
+            error.__cause__ = exc
+            for request in batch:
+                self._fail(request, error)
+
+
+def _pick(items: Sequence[str], index: IntArray) -> list[str]:
+    """``[items[i] for i in index]`` at C speed."""
+    if index.size == 1:
+        return [items[int(index[0])]]
+    return list(operator.itemgetter(*index.tolist())(items)) if index.size else []
+
+
+def batch_error(call: str, exc: BaseException) -> BackendError:
+    """An aiokv error for a failed backend call, keeping the cause and whether the store is gone."""
+    if isinstance(exc, BackendUnavailableError):
+        error: BackendError = BackendUnavailableError(
+            f"{call} failed: {exc}", code=exc.code, address=exc.address
+        )
+    else:
+        error = BackendError(f"{call} failed: {exc}", code=getattr(exc, "code", None))
+    error.__cause__ = exc
+    return error
