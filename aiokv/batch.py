@@ -18,6 +18,7 @@ operation or two happen in Python.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import operator
 from collections.abc import Awaitable, Callable, Sequence
@@ -59,14 +60,17 @@ class Cycle:
     """The keys of one batch and the outcome of the store keys it claimed."""
 
     outcomes_ready: asyncio.Future[None]
-    index: dict[str, int] = field(default_factory=dict)  # key -> position
+    keys: list[str] = field(default_factory=list)  # unique keys of the batch
     owned: IntArray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     outcome: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     claimed: list[str] = field(default_factory=list)
+    _index: dict[str, int] | None = None
 
     def outcome_of(self, keys: Sequence[str]) -> IntArray:
-        positions = np.fromiter((self.index[k] for k in keys), dtype=np.int64, count=len(keys))
-        return self.outcome[positions]
+        if self._index is None:  # only batches that other requests wait on need it
+            self._index = {k: i for i, k in enumerate(self.keys)}
+        index = self._index
+        return self.outcome[np.fromiter((index[k] for k in keys), dtype=np.int64, count=len(keys))]
 
 
 @dataclass(slots=True)
@@ -141,27 +145,41 @@ class BatchRunner:
         await self._finish(batch)
 
     async def _prepare_keys(self, requests: list[Request], cycle: Cycle) -> list[Request]:
-        """Hash, build every key and its position in the batch's unique key list."""
+        """Hash, build every key and its position in the batch's list of unique keys."""
         await self._hash(requests)
         live = [r for r in requests if not r.finished]
-        index = cycle.index
         done_keys = 0
         for request in live:
             hashes = request.hashes
             if hashes is None:
                 raise AiokvError(f"request #{request.id} reached key building unhashed")
             request.keys = [[prefix + h for h in hashes] for prefix in self.prefixes]
-            request.positions = [
-                np.array([index.setdefault(k, len(index)) for k in keys], dtype=np.int64)
-                for keys in request.keys
-            ]
             request.codes = [np.full(request.num_chunks, PENDING, dtype=np.int64) for _ in self.prefixes]
             done_keys += request.num_chunks * len(self.prefixes)
             if done_keys >= _YIELD_EVERY_KEYS:
                 done_keys = 0
                 await asyncio.sleep(0)
-        cycle.owned = np.zeros(len(index), dtype=bool)
-        cycle.outcome = np.full(len(index), PENDING, dtype=np.int64)
+        every_key = [keys for r in live for keys in r.keys]
+        unique = dict.fromkeys(itertools.chain.from_iterable(every_key))
+        cycle.keys = list(unique)
+        if len(unique) == sum(map(len, every_key)):
+            # No key repeats (the usual case): positions are consecutive, no per-key lookups.
+            offset = 0
+            for request in live:
+                request.positions = []
+                for keys in request.keys:
+                    request.positions.append(np.arange(offset, offset + len(keys), dtype=np.int64))
+                    offset += len(keys)
+        else:
+            index = {k: i for i, k in enumerate(cycle.keys)}
+            for request in live:
+                request.positions = [
+                    np.fromiter((index[k] for k in keys), dtype=np.int64, count=len(keys))
+                    for keys in request.keys
+                ]
+                await asyncio.sleep(0)
+        cycle.owned = np.zeros(len(cycle.keys), dtype=bool)
+        cycle.outcome = np.full(len(cycle.keys), PENDING, dtype=np.int64)
         return live
 
     async def _hash(self, requests: list[Request]) -> None:
@@ -205,10 +223,10 @@ class BatchRunner:
             if done_keys >= _YIELD_EVERY_KEYS:
                 done_keys = 0
                 await asyncio.sleep(0)
-        cycle.claimed = [k for k, p in cycle.index.items() if cycle.owned[p]]
+        cycle.claimed = _pick(cycle.keys, np.flatnonzero(cycle.owned))
 
     async def _exists(self, cycle: Cycle, live: list[Request]) -> IntArray | None:
-        keys = list(cycle.index)
+        keys = cycle.keys
         if not keys:
             return np.zeros(0, dtype=bool)
         self.stats.backend_calls["exists"] += 1
@@ -287,17 +305,26 @@ class BatchRunner:
                 plan[group].append(_Rows(request, "get", chunks, request.positions[group][:prefix]))
 
     async def _transfer_group(self, cycle: Cycle, group: int, plan: list[_Rows]) -> None:
-        """One prepare_values call for the group, then its batch calls."""
+        """One prepare_values call for the group, then its batch calls, then codes to each request.
+
+        Rows are the chunks of ``plan`` back to back; calls write per-row codes into one array, so a
+        call costs a few NumPy operations however many requests its rows belong to.
+        """
         layout = self.layouts[group]
+        lengths = np.fromiter((rows.chunks.size for rows in plan), dtype=np.int64, count=len(plan))
+        offsets = np.zeros(len(plan) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        row_codes = np.full(int(offsets[-1]), PENDING, dtype=np.int64)
+        row_errors: list[tuple[IntArray, BaseException]] = []
         matrix = np.concatenate([rows.request.blocks[group][rows.chunks] for rows in plan])
         try:
             region_batches = await self._in_executor(layout.regions_for_chunks, matrix)
         except Exception as exc:
             error = AiokvError(f"computing the regions of group {group} failed: {exc!r}")
             error.__cause__ = exc
-            for rows in plan:
-                self._mark(cycle, group, rows, np.full(rows.chunks.size, BACKEND_EXCEPTION), error)
-            return
+            row_codes[:] = BACKEND_EXCEPTION
+            row_errors.append((np.arange(row_codes.size), error))
+            region_batches = []
         # Requests cancelled while the regions were computed are dropped before any backend call;
         # the others are now in flight and their memory may be touched.
         alive = np.array([not rows.request.abandoned for rows in plan], dtype=bool)
@@ -306,69 +333,79 @@ class BatchRunner:
                 rows.request.state = State.TRANSFERRING
             elif rows.op == "put":
                 cycle.outcome[rows.positions] = WRITER_CANCELLED
-        lengths = np.fromiter((rows.chunks.size for rows in plan), dtype=np.int64, count=len(plan))
         plan_of_row = np.repeat(np.arange(len(plan)), lengths)
-        row_keys = [key for rows in plan for key in _pick(rows.request.keys[group], rows.chunks)]
         is_put = np.array([rows.op == "put" for rows in plan], dtype=bool)[plan_of_row]
         live_row = alive[plan_of_row]
-        calls = []
+        row_keys = list(
+            itertools.chain.from_iterable(_pick(rows.request.keys[group], rows.chunks) for rows in plan)
+        )
+        parts: list[tuple[str, IntArray, list[str], IntArray, IntArray]] = []
         for regions in region_batches:
             for op, wanted in (("put", is_put), ("get", ~is_put)):
                 mask = wanted[regions.rows] & live_row[regions.rows]
                 if not mask.any():
                     continue
-                rows_idx = regions.rows[mask]
-                addrs, sizes = regions.addrs[mask], regions.sizes[mask]
+                if mask.all():  # the usual case: no copy of the region arrays on the loop
+                    rows_idx, addrs, sizes = regions.rows, regions.addrs, regions.sizes
+                else:
+                    rows_idx = regions.rows[mask]
+                    addrs, sizes = regions.addrs[mask], regions.sizes[mask]
                 per_call = max(1, self.max_regions_per_call // max(1, addrs.shape[1]))
                 for start in range(0, rows_idx.size, per_call):
                     part = slice(start, start + per_call)
-                    calls.append(
-                        self._call(
-                            cycle,
-                            group,
-                            op,
-                            plan,
-                            plan_of_row,
-                            row_keys,
-                            rows_idx[part],
-                            addrs[part],
-                            sizes[part],
-                        )
-                    )
-        await asyncio.gather(*calls)
+                    rows_part = rows_idx[part]
+                    parts.append((op, rows_part, _pick_rows(row_keys, rows_part), addrs[part], sizes[part]))
+        # Plain executor futures rather than a task per call: a call costs the loop a few NumPy ops.
+        for op, _, _, _, _ in parts:
+            self.stats.backend_calls[op] += 1
+        answers = await asyncio.gather(
+            *(
+                self._in_executor(
+                    self.backend.batch_put if op == "put" else self.backend.batch_get, keys, a, z
+                )
+                for op, _, keys, a, z in parts
+            ),
+            return_exceptions=True,
+        )
+        for (op, rows_part, keys, _, sizes), answer in zip(parts, answers, strict=True):
+            row_codes[rows_part] = self._codes(op, keys, sizes, answer, rows_part, row_errors)
+        for j, rows in enumerate(plan):
+            if alive[j]:
+                codes = row_codes[offsets[j] : offsets[j + 1]]
+                rows.request.codes[group][rows.chunks] = codes
+                if rows.op == "put":
+                    cycle.outcome[rows.positions] = codes
+        for failed_rows, error in row_errors:
+            for j in np.unique(plan_of_row[failed_rows]).tolist():
+                if plan[j].request.error is None:
+                    plan[j].request.error = error
 
-    async def _call(
+    def _codes(
         self,
-        cycle: Cycle,
-        group: int,
         op: str,
-        plan: list[_Rows],
-        plan_of_row: IntArray,
-        row_keys: list[str],
-        row_index: IntArray,
-        addrs: IntArray,
+        keys: list[str],
         sizes: IntArray,
-    ) -> None:
-        """One backend batch call over some rows of a group's plan."""
-        offsets = np.zeros(len(plan) + 1, dtype=np.int64)
-        np.cumsum([rows.chunks.size for rows in plan], out=offsets[1:])
-        owners = plan_of_row[row_index]
-        within = row_index - offsets[owners]  # row's index inside its _Rows
-        keys = _pick(row_keys, row_index)
+        answer: object,
+        rows: IntArray,
+        row_errors: list[tuple[IntArray, BaseException]],
+    ) -> IntArray:
+        """Per-key outcome codes of one backend batch call (``answer`` is its result or exception)."""
         expected = sizes.sum(axis=1)
-        call = self.backend.batch_put if op == "put" else self.backend.batch_get
-        self.stats.backend_calls[op] += 1
-        error: BaseException | None = None
-        try:
-            answer = await self._in_executor(call, keys, addrs, sizes)
-            if len(answer) != len(keys):
-                raise BackendError(f"batch_{op} answered {len(answer)} codes for {len(keys)} keys")
-            codes = np.asarray(answer, dtype=np.int64)
-        except Exception as exc:
+        if isinstance(answer, BaseException) or len(answer) != len(keys):  # type: ignore[arg-type]
+            exc = (
+                answer
+                if isinstance(answer, BaseException)
+                else BackendError(
+                    f"batch_{op} answered {len(answer)} codes for {len(keys)} keys"  # type: ignore[arg-type]
+                )
+            )
+            if not isinstance(exc, Exception):
+                raise exc  # CancelledError, KeyboardInterrupt: not a backend fault
             self.stats.backend_exceptions[op] += 1
             logger.warning("aiokv: batch_%s of %d keys failed: %s", op, len(keys), exc)
-            codes = np.full(len(keys), BACKEND_EXCEPTION, dtype=np.int64)
-            error = batch_error(f"batch_{op}", exc)
+            row_errors.append((rows, batch_error(f"batch_{op}", exc)))
+            return np.full(len(keys), BACKEND_EXCEPTION, dtype=np.int64)
+        codes = np.asarray(answer, dtype=np.int64)
         ok = codes >= 0
         if op == "get":
             # A read reporting another byte count did not fill the blocks as asked.
@@ -382,25 +419,7 @@ class BatchRunner:
                 self._enter_backoff()
         if not ok.all():
             self.stats.backend_errors.update(codes[~ok].tolist())
-        for owner in np.unique(owners).tolist():
-            mask = owners == owner
-            self._mark(cycle, group, plan[owner], codes[mask], error, inner=within[mask])
-
-    def _mark(
-        self,
-        cycle: Cycle,
-        group: int,
-        rows: _Rows,
-        codes: IntArray,
-        error: BaseException | None,
-        inner: IntArray | None = None,
-    ) -> None:
-        chunks = rows.chunks if inner is None else rows.chunks[inner]
-        rows.request.codes[group][chunks] = codes
-        if rows.op == "put":
-            cycle.outcome[rows.positions if inner is None else rows.positions[inner]] = codes
-        if error is not None and rows.request.error is None:
-            rows.request.error = error
+        return codes
 
     def _enter_backoff(self) -> None:
         now = asyncio.get_running_loop().time()
@@ -412,8 +431,7 @@ class BatchRunner:
     def _release_claims(self, cycle: Cycle) -> None:
         claims = self._claims
         for key in cycle.claimed:
-            if claims.get(key) is cycle:
-                del claims[key]
+            del claims[key]  # only the claiming batch removes a claim
         cycle.outcome[cycle.owned & (cycle.outcome == PENDING)] = WRITER_CANCELLED
         if not cycle.outcomes_ready.done():
             cycle.outcomes_ready.set_result(None)
@@ -448,6 +466,12 @@ class BatchRunner:
             error.__cause__ = exc
             for request in batch:
                 self._fail(request, error)
+
+
+def _pick_rows(items: list[str], rows: IntArray) -> list[str]:
+    """``items`` at ``rows``, by slicing when the rows are consecutive (the usual case)."""
+    first, last = int(rows[0]), int(rows[-1])
+    return items[first : last + 1] if last - first + 1 == rows.size else _pick(items, rows)
 
 
 def _pick(items: Sequence[str], index: IntArray) -> list[str]:

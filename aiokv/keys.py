@@ -73,16 +73,16 @@ def chunk_hashes(token_ids: TokenIds, chunk_tokens: int) -> list[str]:
 
 def _block_hash_bytes(value: object, index: int) -> bytes:
     if isinstance(value, bytes):
-        raw = value
+        tag, raw = b"b", value
     elif isinstance(value, str):
-        raw = value.encode()
+        tag, raw = b"s", value.encode()
     elif isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         number = int(value)
-        raw = number.to_bytes(number.bit_length() // 8 + 1, "little", signed=True)
+        tag, raw = b"i", number.to_bytes(number.bit_length() // 8 + 1, "little", signed=True)
     else:
         raise TypeError(f"block_hashes[{index}] must be bytes, str or int, not {type(value).__name__}")
-    # Length-prefixed so that no two different hash sequences concatenate to the same bytes.
-    return len(raw).to_bytes(4, "little") + raw
+    # Typed and length-prefixed, so that no two different hash sequences give the same bytes.
+    return tag + len(raw).to_bytes(4, "little") + raw
 
 
 @dataclass(frozen=True, slots=True)

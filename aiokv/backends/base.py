@@ -39,6 +39,8 @@ CODE_NAMES: dict[int, str] = {
 
 Regions = IntArray | Sequence[Sequence[int]]
 
+_INT64_MAX = int(np.iinfo(np.int64).max)
+
 
 def code_name(code: int) -> str:
     return CODE_NAMES.get(code, str(code))
@@ -144,8 +146,10 @@ class RegisteredMemory:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._starts = np.empty(0, dtype=np.int64)
-        self._ends = np.empty(0, dtype=np.int64)
+        # (starts, ends) in one attribute, replaced whole and never mutated: a reader without the
+        # lock always gets a matching pair (two attributes could be read across an update).
+        empty = np.empty(0, dtype=np.int64)
+        self._table: tuple[IntArray, IntArray] = (empty, empty)
 
     def add(self, addr: int, size: int) -> None:
         if isinstance(addr, bool) or isinstance(size, bool):
@@ -155,31 +159,35 @@ class RegisteredMemory:
             raise InvalidRequestError(
                 f"cannot register [{addr:#x}, +{size}): address and size must be positive"
             )
+        if addr + size > _INT64_MAX:
+            # Refused before the tables change: the end would not fit the int64 table of ends.
+            raise InvalidRequestError(f"cannot register [{addr:#x}, +{size}): it ends past the int64 range")
         with self._lock:
-            index = int(np.searchsorted(self._starts, addr))
-            overlaps_prev = index > 0 and self._ends[index - 1] > addr
-            overlaps_next = index < self._starts.size and self._starts[index] < addr + size
+            starts, ends = self._table
+            index = int(np.searchsorted(starts, addr))
+            overlaps_prev = index > 0 and ends[index - 1] > addr
+            overlaps_next = index < starts.size and starts[index] < addr + size
             if overlaps_prev or overlaps_next:
                 raise InvalidRequestError(f"[{addr:#x}, +{size}) overlaps memory already registered")
-            self._starts = np.insert(self._starts, index, addr)
-            self._ends = np.insert(self._ends, index, addr + size)
+            self._table = (np.insert(starts, index, addr), np.insert(ends, index, addr + size))
 
     def remove(self, addr: int) -> None:
         with self._lock:
-            index = int(np.searchsorted(self._starts, addr))
-            if index >= self._starts.size or self._starts[index] != addr:
+            starts, ends = self._table
+            index = int(np.searchsorted(starts, addr))
+            if index >= starts.size or starts[index] != addr:
                 raise InvalidRequestError(f"{addr:#x} is not the start of a registered buffer")
-            self._starts = np.delete(self._starts, index)
-            self._ends = np.delete(self._ends, index)
+            self._table = (np.delete(starts, index), np.delete(ends, index))
 
     def spans(self) -> list[tuple[int, int]]:
         with self._lock:
-            return [(s, e - s) for s, e in zip(self._starts.tolist(), self._ends.tolist(), strict=True)]
+            starts, ends = self._table
+            return [(s, e - s) for s, e in zip(starts.tolist(), ends.tolist(), strict=True)]
 
     def locate(self, addrs: IntArray, sizes: IntArray) -> tuple[IntArray, np.ndarray]:
         """Per region: the start address of the registered buffer holding it, and whether the region
         lies wholly inside that buffer."""
-        starts, ends = self._starts, self._ends  # replaced, never mutated: a consistent snapshot
+        starts, ends = self._table  # one read: a consistent snapshot
         if not starts.size:
             return np.zeros(addrs.shape, dtype=np.int64), np.zeros(addrs.shape, dtype=bool)
         index = np.searchsorted(starts, addrs, side="right") - 1

@@ -1,0 +1,1 @@
+"""Benchmarks of aiokv's hot paths, and the baselines they are measured against."""
