@@ -9,7 +9,7 @@ namespace (model, layout fingerprint, group, ranks) is put in front when keys ar
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,7 +118,7 @@ class HashedPrompt:
             raise InvalidRequestError(
                 f"chunk_tokens {chunk_tokens} is not a multiple of block_size {block_size}"
             )
-        if isinstance(block_hashes, (str, bytes)):
+        if isinstance(block_hashes, (str, bytes)) or not isinstance(block_hashes, Iterable):
             raise TypeError("block_hashes must be a sequence of block hashes")
         per_chunk = chunk_tokens // block_size
         encoded = [_block_hash_bytes(v, i) for i, v in enumerate(block_hashes)]
@@ -152,6 +152,8 @@ class KeyNamespace:
             raise TypeError("model must be a non-empty str")
         if not self.model.isprintable() or _FORBIDDEN & set(self.model):
             raise InvalidRequestError(f"model {self.model!r} must be printable and without whitespace")
+        if not isinstance(self.share_across_tp, (bool, np.bool_)):
+            raise TypeError(f"share_across_tp must be a bool, got {self.share_across_tp!r}")
         for name in ("tp_rank", "pp_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

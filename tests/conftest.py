@@ -12,6 +12,8 @@ try:
 except ImportError:  # pragma: no cover - uvloop is a dependency on every platform it supports
     uvloop = None  # type: ignore[assignment]
 
+pytest_plugins = ["tests.mooncake_support"]
+
 
 def pytest_asyncio_loop_factories(
     config: pytest.Config, item: pytest.Item

@@ -1,0 +1,523 @@
+"""The Mooncake backend: the protocol over ``mooncake.store.MooncakeDistributedStore``.
+
+Mooncake trusts its caller completely: a call after ``close()``, or a region outside mapped memory,
+kills the process with SIGSEGV. So nothing reaches the native store unchecked: calls after
+:meth:`MooncakeBackend.close` raise, ``close`` waits for calls in flight, and every region of every
+key is proven inside memory registered through :meth:`MooncakeBackend.register_buffer` first (a key
+that fails gets ``INVALID``, -600, and is left out of the native call).
+
+Configuration is written the way vLLM/LMCache users already write it (see :class:`MooncakeConfig`).
+``mooncake`` is imported only when a backend is constructed, never by ``import aiokv``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from fractions import Fraction
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+from .._arrays import IntArray
+from ..errors import BackendError, BackendUnavailableError
+from .base import INVALID, UNAVAILABLE, Regions, RegionTable, RegisteredMemory, check_keys, code_name
+from .mooncake_master import INSTALL_HINT
+
+logger = logging.getLogger("aiokv.backends.mooncake")
+
+CONFIG_ENV_VAR = "MOONCAKE_CONFIG_PATH"
+
+# Codes meaning the master could not be asked: the batch fails as a whole.
+_UNAVAILABLE_CODES = frozenset({UNAVAILABLE, -1})
+
+# Mooncake's TCP transport queues at most ~1024 slices per peer by default; a larger cross-process
+# batch stalls 60 s and then fails -800. Mooncake reads these at setup, so they are set just before.
+_TCP_QUEUE_ENV = {
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
+}
+
+# Mooncake's own defaults (mooncake.mooncake_config), so an omitted key means what it means there.
+DEFAULT_GLOBAL_SEGMENT_SIZE = 3355443200
+DEFAULT_LOCAL_BUFFER_SIZE = 1 << 30
+# Setup refuses a smaller (nonzero) segment with -600 (measured on 0.3.13).
+MIN_GLOBAL_SEGMENT_SIZE = 16 << 20
+
+_SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgtp])(i?)b?|b)?\s*$", re.IGNORECASE)
+# Binary multiples for "MB" as well as "MiB": Mooncake's own parser reads "512MB" as 512 MiB.
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
+
+_REQUIRED_KEYS = ("local_hostname", "metadata_server", "master_server_address")
+
+
+def parse_size(value: object, key: str) -> int:
+    """Bytes from an int or a string such as ``"512MB"``, ``"4GiB"``, ``"1.5 GB"`` (binary units)."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(
+            f"{key} must be an int number of bytes or a string such as '512MB', not {type(value).__name__}"
+        )
+    if isinstance(value, int):
+        size = value
+    else:
+        match = _SIZE_PATTERN.match(value)
+        if match is None:
+            raise ValueError(f"{key}: cannot read {value!r} as a size (examples: 1048576, '512MB', '4GiB')")
+        number, unit, _ = match.groups()
+        exact = Fraction(number) * _SIZE_UNITS[(unit or "").lower()]
+        if exact.denominator != 1:
+            raise ValueError(f"{key}: {value!r} is not a whole number of bytes")
+        size = int(exact)
+    if size < 0:
+        raise ValueError(f"{key} must not be negative, got {size}")
+    return size
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    """A validated Mooncake store configuration.
+
+    The keys are those of Mooncake's own JSON config (as vLLM and LMCache users write it) plus the
+    replica options of ``ReplicateConfig``. Sizes may be given as strings (see :func:`parse_size`);
+    ``global_segment_size=0`` makes a pure client that stores nothing itself.
+    """
+
+    local_hostname: str
+    metadata_server: str
+    master_server_address: str
+    protocol: str = "tcp"
+    device_name: str = ""
+    global_segment_size: int = DEFAULT_GLOBAL_SEGMENT_SIZE
+    local_buffer_size: int = DEFAULT_LOCAL_BUFFER_SIZE
+    # Replica options (mooncake.store.ReplicateConfig), applied to every put.
+    replica_num: int = 1
+    preferred_segment: str = ""
+    preferred_segments: tuple[str, ...] = ()
+    prefer_alloc_in_same_node: bool = False
+    with_hard_pin: bool = False
+
+    def __post_init__(self) -> None:
+        for key in _REQUIRED_KEYS:
+            value = getattr(self, key)
+            if not isinstance(value, str):
+                raise TypeError(f"{key} must be a str, not {type(value).__name__}")
+            if not value.strip():
+                raise ValueError(f"{key} must not be empty")
+        if not isinstance(self.protocol, str) or not self.protocol.strip():
+            raise ValueError(
+                f"protocol must be a non-empty str such as 'tcp' or 'rdma', got {self.protocol!r}"
+            )
+        # The C++ side matches protocol names case-sensitively, in lower case.
+        object.__setattr__(self, "protocol", self.protocol.strip().lower())
+        device = "" if self.device_name is None else self.device_name
+        if not isinstance(device, str):
+            raise TypeError(f"device_name must be a str, not {type(device).__name__}")
+        object.__setattr__(self, "device_name", device)
+        for key in ("global_segment_size", "local_buffer_size"):
+            object.__setattr__(self, key, parse_size(getattr(self, key), key))
+        if 0 < self.global_segment_size < MIN_GLOBAL_SEGMENT_SIZE:
+            raise ValueError(
+                f"global_segment_size must be 0 (a pure client) or at least {MIN_GLOBAL_SEGMENT_SIZE} "
+                f"bytes (16 MiB, Mooncake's minimum), got {self.global_segment_size}"
+            )
+        if isinstance(self.replica_num, bool) or not isinstance(self.replica_num, int):
+            raise TypeError(f"replica_num must be an int, not {type(self.replica_num).__name__}")
+        if self.replica_num < 1:
+            raise ValueError(f"replica_num must be at least 1, got {self.replica_num}")
+        if not isinstance(self.preferred_segment, str):
+            raise TypeError(f"preferred_segment must be a str, not {type(self.preferred_segment).__name__}")
+        segments = self.preferred_segments
+        if isinstance(segments, str) or not isinstance(segments, (list, tuple)):
+            raise TypeError(f"preferred_segments must be a list of str, not {type(segments).__name__}")
+        if not all(isinstance(segment, str) and segment for segment in segments):
+            raise ValueError(f"preferred_segments must hold non-empty strings, got {segments!r}")
+        object.__setattr__(self, "preferred_segments", tuple(segments))
+        for key in ("prefer_alloc_in_same_node", "with_hard_pin"):
+            if not isinstance(getattr(self, key), bool):
+                raise TypeError(f"{key} must be true or false, not {getattr(self, key)!r}")
+
+    # -- sources --------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any]) -> MooncakeConfig:
+        """From a mapping of config keys; unknown keys and missing required ones are refused."""
+        if not isinstance(config, Mapping):
+            raise TypeError(f"a Mooncake config must be a mapping, not {type(config).__name__}")
+        known = [field.name for field in fields(cls)]
+        unknown = sorted(str(key) for key in config if key not in known)
+        if unknown:
+            raise ValueError(
+                f"unknown Mooncake config key(s) {', '.join(unknown)}; known keys: {', '.join(known)}"
+            )
+        missing = [key for key in _REQUIRED_KEYS if key not in config]
+        if missing:
+            raise ValueError(f"Mooncake config is missing required key(s): {', '.join(missing)}")
+        return cls(**config)
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> MooncakeConfig:
+        """From a JSON file holding one object."""
+        path = Path(path)
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"Mooncake config file {path} is not valid JSON: {exc}") from exc
+        if not isinstance(config, dict):
+            raise TypeError(
+                f"Mooncake config file {path} must hold a JSON object, not {type(config).__name__}"
+            )
+        try:
+            return cls.from_dict(config)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{path}: {exc}") from exc
+
+    @classmethod
+    def from_env(cls) -> MooncakeConfig:
+        """From the JSON file named by ``MOONCAKE_CONFIG_PATH``."""
+        path = os.environ.get(CONFIG_ENV_VAR)
+        if not path:
+            raise ValueError(
+                f"no Mooncake config: pass a dict or a JSON file path, or set {CONFIG_ENV_VAR} to a JSON file"
+            )
+        return cls.from_file(path)
+
+    @classmethod
+    def load(
+        cls, source: MooncakeConfig | Mapping[str, Any] | str | os.PathLike[str] | None
+    ) -> MooncakeConfig:
+        """Whichever the caller has: a config, a dict, a JSON file path, or ``None`` for the env var."""
+        if isinstance(source, MooncakeConfig):
+            return source
+        if source is None:
+            return cls.from_env()
+        if isinstance(source, Mapping):
+            return cls.from_dict(source)
+        if isinstance(source, (str, os.PathLike)):
+            return cls.from_file(source)
+        raise TypeError(
+            f"Mooncake config must be a dict, a JSON file path or None, not {type(source).__name__}"
+        )
+
+
+def _import_hint(exc: ImportError) -> str:
+    """What to install, from why ``mooncake.store`` would not import."""
+    text = str(exc)
+    if "libibverbs" in text:
+        return (
+            f"Mooncake's native library cannot load ({text}): install the system library with "
+            "`apt-get install libibverbs1`"
+        )
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "mooncake":
+        return f"MooncakeBackend needs the mooncake package: {INSTALL_HINT}"
+    return f"cannot import mooncake.store ({text}); reinstall it: {INSTALL_HINT}"
+
+
+def _import_store() -> tuple[Any, Any]:
+    try:
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+    except ImportError as exc:
+        raise ImportError(_import_hint(exc)) from exc
+    return MooncakeDistributedStore, ReplicateConfig
+
+
+def _region_lists(table: RegionTable, rows: IntArray | None) -> tuple[list[list[int]], list[list[int]]]:
+    """Per-key lists of Python ints for the keys ``rows`` (all when None).
+
+    Lists of Python ints are what the binding converts fastest: even counting ``tolist``, passing
+    arrays is ~2.5x slower (docs/benchmarks.md, "Mooncake argument conversion"). When every key has
+    the same sizes (the worker's broadcast ``sizes``) one row is built and shared by all keys.
+    """
+    counts = np.diff(table.offsets)
+    if counts.size and counts[0] > 0 and bool((counts == counts[0]).all()):
+        width = int(counts[0])
+        addrs = table.addrs.reshape(-1, width)
+        sizes = table.sizes.reshape(-1, width)
+        if rows is not None:
+            addrs, sizes = addrs[rows], sizes[rows]
+        if bool((sizes == sizes[0]).all()):
+            return addrs.tolist(), [sizes[0].tolist()] * len(sizes)
+        return addrs.tolist(), sizes.tolist()
+    flat_addrs, flat_sizes, bounds = table.addrs.tolist(), table.sizes.tolist(), table.offsets.tolist()
+    selected = range(table.num_keys) if rows is None else rows.tolist()
+    return (
+        [flat_addrs[bounds[k] : bounds[k + 1]] for k in selected],
+        [flat_sizes[bounds[k] : bounds[k + 1]] for k in selected],
+    )
+
+
+class MooncakeBackend:
+    """The backend protocol over a Mooncake distributed store client.
+
+    ``config`` is a :class:`MooncakeConfig`, a dict, a JSON file path, or ``None`` to read the file
+    named by ``MOONCAKE_CONFIG_PATH``. Construction connects to the master (blocking, tens of ms);
+    :meth:`close` takes 1-2 s. Status codes pass through unchanged, except that ``-900``/``-1``
+    (master unreachable) raise :class:`~aiokv.errors.BackendUnavailableError` naming the master.
+    A put of a key that already exists keeps the old value and reports 0.
+    """
+
+    # The binding converts ~12 us of Python ints per 96-region key while it holds the GIL
+    # (docs/benchmarks.md): 8192 regions per call keep that near 1 ms, so the event loop never waits long.
+    max_regions_per_call = 8192
+
+    def __init__(
+        self, config: MooncakeConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None
+    ) -> None:
+        self.config = MooncakeConfig.load(config)
+        store_class, replicate_class = _import_store()
+        for name, value in _TCP_QUEUE_ENV.items():
+            os.environ.setdefault(name, value)
+        self._replicate = replicate_class()
+        self._replicate.replica_num = self.config.replica_num
+        if self.config.preferred_segment:
+            self._replicate.preferred_segment = self.config.preferred_segment
+        if self.config.preferred_segments:
+            self._replicate.preferred_segments = list(self.config.preferred_segments)
+        self._replicate.prefer_alloc_in_same_node = self.config.prefer_alloc_in_same_node
+        self._replicate.with_hard_pin = self.config.with_hard_pin
+
+        self._memory = RegisteredMemory()
+        self._state = threading.Condition()
+        self._close_lock = threading.Lock()
+        self._in_flight = 0
+        self._closed = False
+        self._store: Any = None
+        store = store_class()
+        started = time.monotonic()
+        cfg = self.config
+        rc = store.setup(
+            cfg.local_hostname,
+            cfg.metadata_server,
+            cfg.global_segment_size,
+            cfg.local_buffer_size,
+            cfg.protocol,
+            cfg.device_name,
+            cfg.master_server_address,
+        )
+        if rc != 0:
+            self._closed = True
+            raise BackendUnavailableError(
+                f"Mooncake setup against master {self.master_address} failed: {code_name(rc)} ({rc}) "
+                f"(local_hostname={cfg.local_hostname!r}, metadata_server={cfg.metadata_server!r}, "
+                f"protocol={cfg.protocol!r})",
+                code=rc,
+                address=self.master_address,
+            )
+        self._store = store
+        logger.info(
+            "Mooncake client %s connected to master %s in %.0f ms",
+            cfg.local_hostname,
+            self.master_address,
+            (time.monotonic() - started) * 1e3,
+        )
+
+    @classmethod
+    def from_master(cls, master_address: str, **overrides: Any) -> MooncakeBackend:
+        """A loopback client of the master at ``master_address``, for tests and examples."""
+        config: dict[str, Any] = {
+            "local_hostname": "127.0.0.1",
+            "metadata_server": "P2PHANDSHAKE",
+            "master_server_address": master_address,
+            "protocol": "tcp",
+            "device_name": "",
+            "global_segment_size": 128 << 20,
+            "local_buffer_size": 16 << 20,
+        }
+        config.update(overrides)
+        return cls(config)
+
+    @property
+    def master_address(self) -> str:
+        return self.config.master_server_address
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- protocol -------------------------------------------------------------------------------
+
+    def register_buffer(self, addr: int, size: int) -> None:
+        self._check_open()
+        self._memory.add(addr, size)
+        try:
+            with self._native() as store:
+                rc = store.register_buffer(int(addr), int(size))
+        except BaseException:
+            self._memory.remove(addr)
+            raise
+        if rc != 0:
+            self._memory.remove(addr)
+            raise self._error(f"register_buffer({int(addr):#x}, {int(size)})", rc)
+
+    def unregister_buffer(self, addr: int) -> None:
+        """Forget the buffer starting at ``addr``. As with freeing it, only once no batch using it is
+        in flight: a call already past its checks still touches the memory."""
+        self._check_open()
+        # Forgotten first: whatever Mooncake answers, no later call may use this memory.
+        self._memory.remove(addr)
+        with self._native() as store:
+            rc = store.unregister_buffer(int(addr))
+        if rc != 0:
+            raise self._error(f"unregister_buffer({int(addr):#x})", rc)
+
+    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
+        self._check_open()
+        check_keys(keys)
+        if not len(keys):
+            return []
+        with self._native() as store:
+            codes = store.batch_is_exist(list(keys))
+        self._check_length("batch_is_exist", codes, len(keys))
+        present = []
+        for code in codes:
+            if code == 1:
+                present.append(True)
+            elif code == 0:
+                present.append(False)
+            else:
+                raise self._error("batch_is_exist", code)
+        return present
+
+    def batch_put(self, keys: Sequence[str], addrs: Regions, sizes: Regions) -> list[int]:
+        return self._transfer("put", keys, addrs, sizes)
+
+    def batch_get(self, keys: Sequence[str], addrs: Regions, sizes: Regions) -> list[int]:
+        return self._transfer("get", keys, addrs, sizes)
+
+    def close(self) -> None:
+        """Close the client once no call is in flight; later calls raise. Idempotent, thread-safe."""
+        with self._close_lock:  # a second close returns only once the first is done
+            with self._state:
+                store = self._store
+                self._closed = True
+                if store is None:
+                    return
+                if self._in_flight:
+                    logger.debug("close waits for %d Mooncake call(s) in flight", self._in_flight)
+                while self._in_flight:
+                    self._state.wait()
+                self._store = None
+            started = time.monotonic()
+            rc = store.close()
+            if rc != 0:
+                logger.warning("Mooncake close answered %s (%d)", code_name(rc), rc)
+            logger.info("Mooncake client closed in %.1f s", time.monotonic() - started)
+
+    # -- extras beyond the protocol -------------------------------------------------------------
+
+    def batch_remove(self, keys: Sequence[str], *, force: bool = False) -> list[int]:
+        """Drop keys; per key 0 or a negative code. ``force`` ignores read leases (-706 for ~10 s
+        after a get otherwise). For tests and explicit eviction."""
+        self._check_open()
+        check_keys(keys)
+        if not len(keys):
+            return []
+        with self._native() as store:
+            codes = store.batch_remove(list(keys), force)
+        self._check_length("batch_remove", codes, len(keys))
+        self._raise_if_unavailable("batch_remove", codes)
+        return list(codes)
+
+    def __enter__(self) -> MooncakeBackend:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "open"
+        return f"MooncakeBackend(master={self.master_address!r}, {state})"
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _transfer(self, op: str, keys: Sequence[str], addrs: Regions, sizes: Regions) -> list[int]:
+        self._check_open()
+        check_keys(keys)
+        table = RegionTable.from_arguments(keys, addrs, sizes)
+        count = table.num_keys
+        if count == 0:
+            return []
+        rows = np.flatnonzero(self._memory.valid_keys(table))
+        codes = [INVALID] * count
+        if rows.size < count:
+            logger.warning(
+                "Mooncake %s: %d of %d keys have no regions or regions outside registered memory; "
+                "answered %d without calling Mooncake",
+                op,
+                count - rows.size,
+                count,
+                INVALID,
+            )
+            if rows.size == 0:
+                return codes
+        subset = None if rows.size == count else rows
+        native_keys = list(keys) if subset is None else [keys[k] for k in rows.tolist()]
+        addr_lists, size_lists = _region_lists(table, subset)
+        with self._native() as store:
+            if op == "put":
+                native = store.batch_put_from_multi_buffers(
+                    native_keys, addr_lists, size_lists, self._replicate
+                )
+            else:
+                native = store.batch_get_into_multi_buffers(
+                    native_keys, addr_lists, size_lists, self.config.prefer_alloc_in_same_node
+                )
+        name = "batch_put_from_multi_buffers" if op == "put" else "batch_get_into_multi_buffers"
+        self._check_length(name, native, len(native_keys))
+        self._raise_if_unavailable(name, native)
+        if subset is None:
+            return list(native)
+        for k, code in zip(rows.tolist(), native, strict=True):
+            codes[k] = code
+        return codes
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendError(f"MooncakeBackend (master {self.master_address}) is closed")
+
+    @contextmanager
+    def _native(self) -> Iterator[Any]:
+        """The store, held open for the duration of one native call."""
+        with self._state:
+            if self._closed:
+                raise BackendError(f"MooncakeBackend (master {self.master_address}) is closed")
+            self._in_flight += 1
+        try:
+            yield self._store
+        finally:
+            with self._state:
+                self._in_flight -= 1
+                if not self._in_flight:
+                    self._state.notify_all()
+
+    def _error(self, call: str, code: int) -> BackendError:
+        if code in _UNAVAILABLE_CODES:
+            return BackendUnavailableError(
+                f"Mooncake {call}: master {self.master_address} unreachable ({code_name(code)}, {code})",
+                code=code,
+                address=self.master_address,
+            )
+        return BackendError(f"Mooncake {call} failed: {code_name(code)} ({code})", code=code)
+
+    def _raise_if_unavailable(self, call: str, codes: Sequence[int]) -> None:
+        for code in codes:
+            if code in _UNAVAILABLE_CODES:
+                raise self._error(call, code)
+
+    @staticmethod
+    def _check_length(call: str, codes: Sequence[int], expected: int) -> None:
+        if len(codes) != expected:
+            raise BackendError(f"Mooncake {call} answered {len(codes)} codes for {expected} keys")
