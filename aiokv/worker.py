@@ -68,6 +68,8 @@ class KVWorker:
     ) -> None:
         if isinstance(layouts, KVLayout):
             layouts = [layouts]
+        if not isinstance(layouts, Sequence):
+            raise TypeError("layouts must be a KVLayout or a non-empty sequence of KVLayout")
         layouts = list(layouts)
         if not layouts or not all(isinstance(layout, KVLayout) for layout in layouts):
             raise TypeError("layouts must be a KVLayout or a non-empty sequence of KVLayout")

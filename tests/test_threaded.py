@@ -1,0 +1,262 @@
+"""ThreadedKVWorker from plain threads: real bytes, SyncTransferFuture cancel rules, bad input, shutdown.
+
+Every test runs on the standard loop and on uvloop (the background loop comes from ``loop_factory``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiokv import StoreResult, SyncTransferFuture, ThreadedKVWorker, WorkerClosedError
+
+from .helpers import (
+    SAFETY_TIMEOUT_S,
+    ControlledBackend,
+    PagedCache,
+    aiokv_threads,
+    chunk_keys,
+    same_blocks,
+    scattered_block_ids,
+)
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover
+    uvloop = None  # type: ignore[assignment]
+
+C = 64
+SPECS: list[dict[str, Any]] = [
+    {"num_regions": 2, "num_blocks": 64, "block_size": 16, "block_lens": 64},
+    {"num_regions": 3, "num_blocks": 48, "block_size": 32, "block_lens": [96, 32]},
+]
+PER_CHUNK = [C // spec["block_size"] for spec in SPECS]
+NS = "threaded-model"
+
+LOOPS: dict[str, Callable[[], asyncio.AbstractEventLoop]] = {"asyncio": asyncio.new_event_loop}
+if uvloop is not None:
+    LOOPS["uvloop"] = uvloop.new_event_loop
+
+
+@pytest.fixture(params=sorted(LOOPS))
+def loop_factory(request: pytest.FixtureRequest) -> Callable[[], asyncio.AbstractEventLoop]:
+    return LOOPS[request.param]
+
+
+@pytest.fixture
+def cache() -> PagedCache:
+    return PagedCache.allocate(SPECS, fill="random", seed=5)
+
+
+@pytest.fixture
+def backend() -> Iterator[ControlledBackend]:
+    b = ControlledBackend()
+    yield b
+    b.release()
+
+
+def make(
+    cache: PagedCache, backend: ControlledBackend, loop_factory: Callable[[], Any], **options: Any
+) -> ThreadedKVWorker:
+    return ThreadedKVWorker(
+        cache.layouts, backend, namespace=NS, chunk_tokens=C, loop_factory=loop_factory, **options
+    )
+
+
+def prompt(seed: int, chunks: int) -> list[int]:
+    return np.random.default_rng(seed).integers(0, 32_000, size=chunks * C).tolist()
+
+
+def consecutive(chunks: int, start: int = 0) -> list[np.ndarray]:
+    return [np.arange(start, start + chunks * per, dtype=np.int64) for per in PER_CHUNK]
+
+
+def keys_of(tokens: list[int], cache: PagedCache) -> set[str]:
+    return {k for g, layout in enumerate(cache.layouts) for k in chunk_keys(tokens, C, layout, g, NS)}
+
+
+def wait_event(event: threading.Event) -> None:
+    assert event.wait(SAFETY_TIMEOUT_S), "the backend call never started"
+
+
+def test_two_threads_store_lookup_and_load_concurrently(
+    cache: PagedCache, backend: ControlledBackend, loop_factory: Callable[[], Any]
+) -> None:
+    chunks = 3
+    rng = np.random.default_rng(6)
+    # Per thread: its own prompt, source blocks and destination blocks, all disjoint; plus a prompt
+    # both threads store at the same time.
+    picks = [
+        scattered_block_ids(rng, spec["num_blocks"], 4 * chunks * per)
+        for spec, per in zip(SPECS, PER_CHUNK, strict=True)
+    ]
+    plans = []
+    for t in range(2):
+        span = [
+            ids[2 * t * chunks * per : (2 * t + 2) * chunks * per]
+            for ids, per in zip(picks, PER_CHUNK, strict=True)
+        ]
+        src = [s[: chunks * per] for s, per in zip(span, PER_CHUNK, strict=True)]
+        dst = [s[chunks * per :] for s, per in zip(span, PER_CHUNK, strict=True)]
+        plans.append((prompt(10 + t, chunks), src, dst))
+    shared = prompt(20, chunks)
+    original = [[group.blocks(src[g]) for g, group in enumerate(cache.groups)] for _, src, _ in plans]
+    barrier = threading.Barrier(2)
+    outcomes: dict[int, Any] = {}
+    errors: list[BaseException] = []
+
+    def engine_thread(t: int, worker: ThreadedKVWorker) -> None:
+        try:
+            tokens, src, dst = plans[t]
+            barrier.wait(SAFETY_TIMEOUT_S)
+            stores = [worker.store(tokens, src), worker.store(shared, src)]
+            stored = [f.result(SAFETY_TIMEOUT_S) for f in stores]
+            hit = worker.lookup(tokens)
+            loaded = worker.load(tokens, dst).result(SAFETY_TIMEOUT_S)
+            outcomes[t] = (stored, hit, loaded)
+        except BaseException as exc:  # reported below, from the test's thread
+            errors.append(exc)
+
+    with make(cache, backend, loop_factory) as worker:
+        threads = [threading.Thread(target=engine_thread, args=(t, worker)) for t in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(SAFETY_TIMEOUT_S)
+    assert errors == []
+    for t, (_, src, dst) in enumerate(plans):
+        (own, _), hit, loaded = outcomes[t]
+        assert (own.stored, own.skipped, own.failed) == (chunks, 0, 0)
+        assert hit == chunks * C
+        assert loaded.loaded_tokens == chunks * C and loaded.failed_block_ids == ((), ())
+        for g, group in enumerate(cache.groups):
+            # The destination blocks now hold what the source blocks held when stored.
+            assert all(
+                np.array_equal(a, b) for a, b in zip(group.blocks(dst[g]), original[t][g], strict=True)
+            )
+            assert same_blocks(group, src[g], group, dst[g])
+    shared_results = [outcomes[t][0][1] for t in range(2)]
+    assert sum(r.stored for r in shared_results) == chunks  # the shared prompt was written once
+    assert sum(r.skipped for r in shared_results) == chunks
+    put = Counter(backend.keys_seen("batch_put"))
+    assert set(put.values()) == {1}
+    assert set(put) == keys_of(shared, cache) | keys_of(plans[0][0], cache) | keys_of(plans[1][0], cache)
+
+
+def test_cancel_inside_a_backend_call_returns_true_and_completes_after_the_call(
+    cache: PagedCache, backend: ControlledBackend, loop_factory: Callable[[], Any]
+) -> None:
+    tokens = prompt(30, 2)
+    with make(cache, backend, loop_factory) as worker:
+        with backend.blocked("batch_put"):
+            future = worker.store(tokens, consecutive(2))
+            assert isinstance(future, SyncTransferFuture) and isinstance(future, concurrent.futures.Future)
+            wait_event(backend.entered("batch_put"))
+            called: list[concurrent.futures.Future[Any]] = []
+            future.add_done_callback(called.append)
+            assert future.cancel() is True
+            time.sleep(0.05)
+            assert not future.done() and not future.cancelled() and called == []
+            backend.release()
+        with pytest.raises(concurrent.futures.CancelledError):
+            future.result(SAFETY_TIMEOUT_S)
+        assert future.done() and future.cancelled() and called == [future]
+        assert future.cancel() is False
+        assert worker.stats()["requests_cancelled"] == {"store": 1}
+        after = worker.store(prompt(31, 1), consecutive(1, start=20)).result(SAFETY_TIMEOUT_S)
+    assert after.stored == 1
+
+
+def test_cancel_of_a_queued_request_is_done_at_once(
+    cache: PagedCache, backend: ControlledBackend, loop_factory: Callable[[], Any]
+) -> None:
+    first, second = prompt(32, 2), prompt(33, 2)
+    with make(cache, backend, loop_factory, max_concurrent_batches=1) as worker:
+        with backend.blocked("batch_put"):
+            running = worker.store(first, consecutive(2))
+            wait_event(backend.entered("batch_put"))
+            queued = worker.store(second, consecutive(2, start=20))
+            assert queued.cancel() is True
+            assert queued.done() and queued.cancelled()  # at once, while the first is still blocked
+            assert not running.done()
+            backend.release()
+        assert isinstance(running.result(SAFETY_TIMEOUT_S), StoreResult)
+        assert worker.lookup(second) == 0
+    assert not set(backend.keys_seen("batch_put")) & keys_of(second, cache)
+
+
+def test_bad_input_raises_at_the_call(
+    cache: PagedCache, backend: ControlledBackend, loop_factory: Callable[[], Any]
+) -> None:
+    tokens = prompt(34, 2)
+    good = consecutive(2)
+    with make(cache, backend, loop_factory) as worker:
+        backend.reset_records()
+        for submit in (worker.store, worker.load):
+            with pytest.raises(ValueError):
+                submit(tokens, [good[0]])  # one group of two
+            with pytest.raises(ValueError):
+                submit(tokens, [good[0][:-1], good[1]])  # too few block ids
+            with pytest.raises(ValueError):
+                submit(tokens, [good[0], np.array([0, 1, 2, SPECS[1]["num_blocks"]])])  # out of range
+            with pytest.raises(ValueError):
+                submit(tokens, [[-1, *good[0][1:].tolist()], good[1]])
+            with pytest.raises(ValueError):
+                submit(tokens, [[float(b) for b in good[0]], good[1]])
+        assert sum(backend.calls.values()) == 0
+        # Token values are checked as they are hashed: the future fails, with ValueError.
+        with pytest.raises(ValueError):
+            worker.store([*tokens[:-1], 2**40], good).result(SAFETY_TIMEOUT_S)
+        with pytest.raises(ValueError):
+            worker.lookup([-1] * C)
+        assert sum(backend.calls.values()) == 0
+        result = worker.store(tokens, good).result(SAFETY_TIMEOUT_S)
+    assert (result.stored, result.failed) == (2, 0)
+
+
+def test_close_finishes_pending_work_and_joins_the_loop_thread(
+    cache: PagedCache, backend: ControlledBackend, loop_factory: Callable[[], Any]
+) -> None:
+    before = aiokv_threads()
+    worker = make(cache, backend, loop_factory)
+    assert "aiokv-loop" in {t.name for t in aiokv_threads() - before}
+    futures = [worker.store(prompt(40 + i, 2), consecutive(2, start=8 * i)) for i in range(4)]
+    worker.close()
+    assert all(f.done() for f in futures)
+    assert [f.result().stored for f in futures] == [2] * 4
+    assert not aiokv_threads() - before  # the loop thread and the executor threads are gone
+    with pytest.raises(WorkerClosedError):
+        worker.store(prompt(44, 1), consecutive(1))
+    with pytest.raises(WorkerClosedError):
+        worker.lookup(prompt(44, 1))
+    worker.close()  # a second close is a no-op
+    assert len(backend.inner) == 4 * 2 * len(SPECS)
+
+
+def test_terminate_fails_queued_work_at_once_and_waits_for_the_call_in_flight(
+    cache: PagedCache, backend: ControlledBackend, loop_factory: Callable[[], Any]
+) -> None:
+    before = aiokv_threads()
+    worker = make(cache, backend, loop_factory, max_concurrent_batches=1)
+    with backend.blocked("batch_put"):
+        running = worker.store(prompt(50, 2), consecutive(2))
+        wait_event(backend.entered("batch_put"))
+        queued = worker.store(prompt(51, 2), consecutive(2, start=20))
+        terminating = threading.Thread(target=worker.terminate)
+        terminating.start()
+        with pytest.raises(WorkerClosedError):
+            queued.result(SAFETY_TIMEOUT_S)  # failed while the first request is still blocked
+        assert not running.done() and terminating.is_alive()
+        backend.release()
+    terminating.join(SAFETY_TIMEOUT_S)
+    assert not terminating.is_alive()
+    assert running.done()
+    assert not aiokv_threads() - before
