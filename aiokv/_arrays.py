@@ -68,4 +68,7 @@ def as_positive_int(value: object, name: str) -> int:
     result = int(value)
     if result <= 0:
         raise InvalidRequestError(f"{name} must be positive, got {result}")
+    if result > _INT64_MAX:
+        # Sizes and counts meet int64 arithmetic later (addresses, NumPy), where they would overflow.
+        raise InvalidRequestError(f"{name} must fit in int64, got {result}")
     return result

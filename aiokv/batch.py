@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from ._arrays import IntArray
-from .backends.base import NO_SPACE, NOT_FOUND, TRANSFER_FAILED, Backend
+from .backends.base import NO_SPACE, NOT_FOUND, TRANSFER_FAILED, Backend, code_name
 from .errors import AiokvError, BackendError, BackendUnavailableError, InvalidRequestError
 from .keys import chain_digests, digests_to_hex, token_bytes
 from .layout import KVLayout
@@ -418,7 +418,16 @@ class BatchRunner:
             if (codes == NO_SPACE).any() and self.pressure_backoff_s > 0:
                 self._enter_backoff()
         if not ok.all():
-            self.stats.backend_errors.update(codes[~ok].tolist())
+            failed = codes[~ok]
+            self.stats.backend_errors.update(failed.tolist())
+            if logger.isEnabledFor(logging.WARNING):
+                # Counts by code, never the keys: a batch can hold thousands.
+                values, counts = np.unique(failed, return_counts=True)
+                pairs = zip(values.tolist(), counts.tolist(), strict=True)
+                by_code = ", ".join(f"{code_name(v)} ({v}): {n}" for v, n in pairs)
+                logger.warning(
+                    "aiokv: batch_%s: %d of %d keys failed: %s", op, failed.size, len(keys), by_code
+                )
         return codes
 
     def _enter_backoff(self) -> None:

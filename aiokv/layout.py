@@ -83,7 +83,10 @@ class KVLayout:
         # Python ints: the end of the last region must not overflow int64 addresses.
         for region, (addr, blen) in enumerate(zip(base.tolist(), region_lens.tolist(), strict=True)):
             if addr + blen * self.num_blocks > _INT64_MAX:
-                raise InvalidRequestError(f"region {region} ends past the int64 address range")
+                raise InvalidRequestError(
+                    f"region {region} ends past the int64 address range "
+                    f"(base_addrs[{region}] + block_lens * num_blocks)"
+                )
         base.flags.writeable = False
         lens.flags.writeable = False
         region_lens.flags.writeable = False

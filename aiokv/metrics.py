@@ -1,0 +1,217 @@
+"""Prometheus export of a worker's statistics (optional: ``pip install 'aiokv[prometheus]'``).
+
+A custom collector reads ``worker.stats()`` at scrape time, so the transfer path pays nothing::
+
+    from prometheus_client import start_http_server
+
+    from aiokv.metrics import PrometheusExporter
+
+    async with KVWorker(...) as worker:
+        PrometheusExporter(worker)  # registers with prometheus_client's default REGISTRY
+        start_http_server(9400)
+        ...
+
+The figures are those of :meth:`aiokv.KVWorker.stats`, under stable names (``aiokv`` is the default
+``namespace``):
+
+=================================== ======= ================================ =======================
+metric                              type    labels                           ``stats()`` key
+=================================== ======= ================================ =======================
+``aiokv_requests_total``            counter ``kind``: store, load, lookup    ``requests``
+``aiokv_requests_failed_total``     counter ``kind``                         ``requests_failed``
+``aiokv_requests_cancelled_total``  counter ``kind``                         ``requests_cancelled``
+``aiokv_chunks_total``              counter ``outcome``: stored, skipped,    ``chunks``
+                                            failed, loaded, load_failed
+``aiokv_bytes_total``               counter ``direction``: put, get          ``bytes``
+``aiokv_backend_calls_total``       counter ``op``: exists, put, get         ``backend_calls``
+``aiokv_backend_errors_total``      counter ``code`` (e.g. ``-704``),        ``backend_errors``
+                                            ``error`` (e.g. ``NOT_FOUND``)
+``aiokv_backend_exceptions_total``  counter ``op``                           ``backend_exceptions``
+``aiokv_pressure_backoffs_total``   counter                                  ``pressure_backoffs``
+``aiokv_batches_total``             counter                                  ``batches``
+``aiokv_request_latency_seconds``   gauge   ``kind``, ``quantile``: 0.5,     ``latency``
+                                            0.99, 1 (the maximum)
+``aiokv_request_latency_mean_s...`` gauge   ``kind``                         ``latency``
+``aiokv_request_latency_window``    gauge   ``kind``: requests summarised    ``latency``
+=================================== ======= ================================ =======================
+
+(the mean's full name is ``aiokv_request_latency_mean_seconds``). Counters count since the worker
+started; the known label values are exported from the start, at 0, so that ``rate()`` works at once.
+Latencies are submit-to-done times over the worker's recent window of requests (see
+:mod:`aiokv.stats`), hence gauges rather than a histogram. Error codes count (chunk, group) pairs.
+
+One exporter per worker and registry: a second one with the same ``namespace`` in the same registry
+is refused by ``prometheus_client`` (duplicate metric names); give it another registry or namespace.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+from .backends.base import code_name
+from .requests import BACKEND_EXCEPTION, WRITER_CANCELLED
+
+if TYPE_CHECKING:
+    from prometheus_client.registry import CollectorRegistry
+
+logger = logging.getLogger("aiokv")
+
+__all__ = ["PrometheusExporter", "register_worker_metrics"]
+
+_INSTALL_HINT = "aiokv.metrics needs prometheus_client: pip install 'aiokv[prometheus]'"
+
+# Label values exported even before they occur.
+KINDS = ("store", "load", "lookup")
+TRANSFER_KINDS = ("store", "load")
+OUTCOMES = ("stored", "skipped", "failed", "loaded", "load_failed")
+DIRECTIONS = ("put", "get")
+OPS = ("exists", "put", "get")
+QUANTILES = (("0.5", "p50_ms"), ("0.99", "p99_ms"), ("1", "max_ms"))
+
+# aiokv's own per-chunk codes that can reach ``backend_errors``, named for the ``error`` label.
+_EXTRA_CODE_NAMES = {BACKEND_EXCEPTION: "BACKEND_EXCEPTION", WRITER_CANCELLED: "WRITER_CANCELLED"}
+
+
+def _core() -> Any:
+    try:
+        from prometheus_client import core
+    except ImportError as exc:  # the optional extra is not installed
+        raise ImportError(_INSTALL_HINT) from exc
+    return core
+
+
+def _code_label(code: int) -> str:
+    return _EXTRA_CODE_NAMES.get(code) or code_name(code)
+
+
+class PrometheusExporter:
+    """A ``prometheus_client`` collector over ``worker.stats()``, registered on creation.
+
+    ``worker``: a :class:`~aiokv.KVWorker` or :class:`~aiokv.ThreadedKVWorker` (anything with a
+    ``stats()`` method returning that dict). ``registry``: where to register, by default
+    ``prometheus_client.REGISTRY``; ``register=False`` builds the collector without registering it.
+    """
+
+    def __init__(
+        self,
+        worker: Any,
+        registry: CollectorRegistry | None = None,
+        namespace: str = "aiokv",
+        *,
+        register: bool = True,
+    ) -> None:
+        stats = getattr(worker, "stats", None)
+        if not callable(stats):
+            raise TypeError(f"worker must have a stats() method, got {type(worker).__name__}")
+        if not isinstance(namespace, str) or not namespace.isidentifier():
+            raise ValueError(f"namespace must be a metric-name prefix such as 'aiokv', got {namespace!r}")
+        self._core = _core()
+        self._stats: Callable[[], Mapping[str, Any]] = stats
+        self.namespace = namespace
+        self.registry: CollectorRegistry | None = None
+        if register:
+            if registry is None:
+                from prometheus_client import REGISTRY
+
+                registry = REGISTRY
+            registry.register(self)
+            self.registry = registry
+
+    def unregister(self) -> None:
+        """Remove the collector from its registry (e.g. once the worker is closed)."""
+        if self.registry is not None:
+            self.registry.unregister(self)
+            self.registry = None
+
+    # -- the collector protocol -------------------------------------------------------------------
+
+    def describe(self) -> Iterator[Any]:
+        """The metric families without samples: lets a registry check names without a scrape."""
+        yield from self._families()
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._stats()
+        families = {family.name: family for family in self._families()}
+        n = self.namespace
+
+        def counters(name: str, key: str, known: tuple[str, ...]) -> None:
+            values = dict.fromkeys(known, 0)
+            values.update(stats.get(key) or {})
+            for label, value in sorted(values.items()):
+                families[f"{n}_{name}"].add_metric([str(label)], value)
+
+        counters("requests", "requests", KINDS)
+        counters("requests_failed", "requests_failed", KINDS)
+        counters("requests_cancelled", "requests_cancelled", TRANSFER_KINDS)
+        counters("chunks", "chunks", OUTCOMES)
+        counters("bytes", "bytes", DIRECTIONS)
+        counters("backend_calls", "backend_calls", OPS)
+        counters("backend_exceptions", "backend_exceptions", OPS)
+        for code, count in sorted((stats.get("backend_errors") or {}).items()):
+            families[f"{n}_backend_errors"].add_metric([str(code), _code_label(int(code))], count)
+        families[f"{n}_pressure_backoffs"].add_metric([], stats.get("pressure_backoffs", 0))
+        families[f"{n}_batches"].add_metric([], stats.get("batches", 0))
+        for kind, summary in sorted((stats.get("latency") or {}).items()):
+            if summary is None:
+                continue
+            for quantile, field in QUANTILES:
+                families[f"{n}_request_latency_seconds"].add_metric(
+                    [kind, quantile], getattr(summary, field) / 1e3
+                )
+            families[f"{n}_request_latency_mean_seconds"].add_metric([kind], summary.mean_ms / 1e3)
+            families[f"{n}_request_latency_window"].add_metric([kind], summary.count)
+        yield from families.values()
+
+    def _families(self) -> list[Any]:
+        core, n = self._core, self.namespace
+        counter, gauge = core.CounterMetricFamily, core.GaugeMetricFamily
+        return [
+            counter(f"{n}_requests", "Requests submitted, by kind.", labels=["kind"]),
+            counter(
+                f"{n}_requests_failed", "Requests that finished with an error, by kind.", labels=["kind"]
+            ),
+            counter(f"{n}_requests_cancelled", "Requests cancelled, by kind.", labels=["kind"]),
+            counter(
+                f"{n}_chunks",
+                "Chunks by outcome: stored, skipped (already present), failed, loaded, load_failed.",
+                labels=["outcome"],
+            ),
+            counter(f"{n}_bytes", "Bytes moved: put (to the store), get (from it).", labels=["direction"]),
+            counter(f"{n}_backend_calls", "Backend batch calls, by operation.", labels=["op"]),
+            counter(
+                f"{n}_backend_errors",
+                "(chunk, group) pairs a backend call answered with an error code, by code.",
+                labels=["code", "error"],
+            ),
+            counter(
+                f"{n}_backend_exceptions", "Backend batch calls that raised, by operation.", labels=["op"]
+            ),
+            counter(
+                f"{n}_pressure_backoffs", "Times stores backed off after the store answered full (-200)."
+            ),
+            counter(f"{n}_batches", "Dispatcher batches run."),
+            gauge(
+                f"{n}_request_latency_seconds",
+                "Submit-to-done latency over recent requests: quantile 0.5, 0.99, and 1 (the maximum).",
+                labels=["kind", "quantile"],
+            ),
+            gauge(
+                f"{n}_request_latency_mean_seconds",
+                "Mean submit-to-done latency over recent requests.",
+                labels=["kind"],
+            ),
+            gauge(
+                f"{n}_request_latency_window",
+                "Recent requests the latency figures summarise.",
+                labels=["kind"],
+            ),
+        ]
+
+
+def register_worker_metrics(
+    worker: Any, registry: CollectorRegistry | None = None, namespace: str = "aiokv"
+) -> PrometheusExporter:
+    """Register ``worker``'s statistics with ``registry`` (default: ``prometheus_client.REGISTRY``)."""
+    return PrometheusExporter(worker, registry, namespace)
