@@ -29,7 +29,7 @@ import numpy as np
 
 from ._arrays import IntArray
 from .backends.base import NO_SPACE, NOT_FOUND, TRANSFER_FAILED, Backend, code_name
-from .errors import AiokvError, BackendError, BackendUnavailableError, InvalidRequestError
+from .errors import AiokvError, BackendError, BackendUnavailableError, InvalidRequestError, WorkerClosedError
 from .keys import chain_digests, digests_to_hex, token_bytes
 from .layout import KVLayout
 from .requests import (
@@ -490,8 +490,10 @@ def _pick(items: Sequence[str], index: IntArray) -> list[str]:
     return list(operator.itemgetter(*index.tolist())(items)) if index.size else []
 
 
-def batch_error(call: str, exc: BaseException) -> BackendError:
+def batch_error(call: str, exc: BaseException) -> AiokvError:
     """An aiokv error for a failed backend call, keeping the cause and whether the store is gone."""
+    if isinstance(exc, WorkerClosedError):  # terminate() dropped the call before it started
+        return WorkerClosedError(f"{call} was not run: {exc}")
     if isinstance(exc, BackendUnavailableError):
         error: BackendError = BackendUnavailableError(
             f"{call} failed: {exc}", code=exc.code, address=exc.address

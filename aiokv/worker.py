@@ -90,15 +90,19 @@ class KVWorker:
         if (
             isinstance(pressure_backoff_s, bool)
             or not isinstance(pressure_backoff_s, (int, float))
-            or not pressure_backoff_s >= 0
+            or not 0 <= pressure_backoff_s < float("inf")
         ):
-            raise InvalidRequestError(f"pressure_backoff_s must be a number >= 0, got {pressure_backoff_s!r}")
+            raise InvalidRequestError(
+                f"pressure_backoff_s must be a finite number >= 0, got {pressure_backoff_s!r}"
+            )
         self.layouts = layouts
         self.backend = backend
         self.namespace = namespace
         self._max_batches = as_positive_int(max_concurrent_batches, "max_concurrent_batches")
         self._threads = as_positive_int(executor_threads, "executor_threads")
-        self._close_backend = bool(close_backend)
+        if not isinstance(close_backend, bool):
+            raise TypeError(f"close_backend must be a bool, not {type(close_backend).__name__}")
+        self._close_backend = close_backend
         self._blocks_per_chunk = [self.chunk_tokens // layout.block_size for layout in layouts]
         self._ids = itertools.count(1)
         self._stats = WorkerStats()
