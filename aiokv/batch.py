@@ -231,7 +231,7 @@ class BatchRunner:
             return np.zeros(0, dtype=bool)
         self.stats.backend_calls["exists"] += 1
         try:
-            answer = await self._in_executor(self.backend.batch_exists, keys)
+            answer = await self._in_executor(self.backend.batch_exists, keys, lane="control")
             if len(answer) != len(keys):
                 raise BackendError(f"batch_exists answered {len(answer)} values for {len(keys)} keys")
             return np.asarray(answer, dtype=bool)
@@ -318,7 +318,7 @@ class BatchRunner:
         row_errors: list[tuple[IntArray, BaseException]] = []
         matrix = np.concatenate([rows.request.blocks[group][rows.chunks] for rows in plan])
         try:
-            region_batches = await self._in_executor(layout.regions_for_chunks, matrix)
+            region_batches = await self._in_executor(layout.regions_for_chunks, matrix, lane="control")
         except Exception as exc:
             error = AiokvError(f"computing the regions of group {group} failed: {exc!r}")
             error.__cause__ = exc
@@ -355,20 +355,21 @@ class BatchRunner:
                     part = slice(start, start + per_call)
                     rows_part = rows_idx[part]
                     parts.append((op, rows_part, _pick_rows(row_keys, rows_part), addrs[part], sizes[part]))
-        # Plain executor futures rather than a task per call: a call costs the loop a few NumPy ops.
-        for op, _, _, _, _ in parts:
+
+        # Each answer is turned into codes as it arrives, so the loop never handles all calls at once.
+        async def call(
+            op: str, rows_part: IntArray, keys: list[str], addrs: IntArray, sizes: IntArray
+        ) -> None:
             self.stats.backend_calls[op] += 1
-        answers = await asyncio.gather(
-            *(
-                self._in_executor(
-                    self.backend.batch_put if op == "put" else self.backend.batch_get, keys, a, z
-                )
-                for op, _, keys, a, z in parts
-            ),
-            return_exceptions=True,
-        )
-        for (op, rows_part, keys, _, sizes), answer in zip(parts, answers, strict=True):
+            method = self.backend.batch_put if op == "put" else self.backend.batch_get
+            answer: object
+            try:
+                answer = await self._in_executor(method, keys, addrs, sizes)
+            except Exception as exc:
+                answer = exc
             row_codes[rows_part] = self._codes(op, keys, sizes, answer, rows_part, row_errors)
+
+        await asyncio.gather(*(call(*part) for part in parts))
         for j, rows in enumerate(plan):
             if alive[j]:
                 codes = row_codes[offsets[j] : offsets[j + 1]]
@@ -390,7 +391,8 @@ class BatchRunner:
         row_errors: list[tuple[IntArray, BaseException]],
     ) -> IntArray:
         """Per-key outcome codes of one backend batch call (``answer`` is its result or exception)."""
-        expected = sizes.sum(axis=1)
+        # The worker's sizes are often one row broadcast over every key: sum it once.
+        expected = np.full(len(sizes), int(sizes[0].sum())) if sizes.strides[0] == 0 else sizes.sum(axis=1)
         if isinstance(answer, BaseException) or len(answer) != len(keys):  # type: ignore[arg-type]
             exc = (
                 answer

@@ -91,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         help="the worker's max_regions_per_call (default: the backend's, else the worker's default)",
     )
+    run.add_argument(
+        "--executor-threads", type=int, help="the worker's executor_threads (default: the worker's)"
+    )
     run.add_argument("--seed", type=int, default=0)
     out = parser.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", type=Path, help="write every figure as JSON")
@@ -112,8 +115,9 @@ def _resolve(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, name, value)
     for name in ("tokens", "block_size", "regions", "chunk_tokens", "concurrency", "rounds"):
         _positive(parser, name, getattr(args, name))
-    if args.max_regions_per_call is not None:
-        _positive(parser, "max_regions_per_call", args.max_regions_per_call)
+    for name in ("max_regions_per_call", "executor_threads"):
+        if getattr(args, name) is not None:
+            _positive(parser, name, getattr(args, name))
     if args.chunk_tokens % args.block_size:
         parser.error(
             f"--chunk-tokens {args.chunk_tokens} must be a multiple of --block-size {args.block_size}"
@@ -524,13 +528,14 @@ def run_bench(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
     )
     with open_backend(args, geometry, progress) as backend:
         options = {}
-        if args.max_regions_per_call is not None:
-            options["max_regions_per_call"] = args.max_regions_per_call
+        for name in ("max_regions_per_call", "executor_threads"):
+            if getattr(args, name) is not None:
+                options[name] = getattr(args, name)
         e2e = run_e2e_benchmark(
             backend, geometry, rounds=args.rounds, progress=progress, seed=args.seed, worker_options=options
         )
     names = "tokens block_size regions chunk_tokens concurrency block_bytes block_bytes_auto backend master"
-    names += " rounds max_regions_per_call quick seed"
+    names += " rounds max_regions_per_call executor_threads quick seed"
     parameters = {name: getattr(args, name) for name in names.split()}
     report: dict[str, Any] = {
         "machine": machine_info(),
