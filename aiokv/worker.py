@@ -51,8 +51,8 @@ class KVWorker:
     attribute, else 16384); ``max_concurrent_batches`` how many batches overlap;
     ``executor_threads`` the threads running backend calls (more overlap more transfers, but every
     thread converting arguments contends with the loop for the GIL: 2 kept loop lag p99 about half of
-    what 4 gave on 2 cores); ``max_batch_chunks`` the chunks one batch takes (the rest goes to the next,
-    which overlaps); ``pressure_backoff_s`` how long stores
+    what 4 gave on 2 cores; existence checks and address computation have a thread of their own);
+    ``pressure_backoff_s`` how long stores
     pause after the store answers "full" (-200).
     """
 
@@ -66,7 +66,6 @@ class KVWorker:
         max_regions_per_call: int | None = None,
         max_concurrent_batches: int = 2,
         executor_threads: int = 2,
-        max_batch_chunks: int = 4096,
         pressure_backoff_s: float = 1.0,
         close_backend: bool = False,
     ) -> None:
@@ -104,7 +103,6 @@ class KVWorker:
         self.namespace = namespace
         self._max_batches = as_positive_int(max_concurrent_batches, "max_concurrent_batches")
         self._threads = as_positive_int(executor_threads, "executor_threads")
-        self._max_batch_chunks = as_positive_int(max_batch_chunks, "max_batch_chunks")
         if not isinstance(close_backend, bool):
             raise TypeError(f"close_backend must be a bool, not {type(close_backend).__name__}")
         self._close_backend = close_backend
@@ -473,15 +471,14 @@ class KVWorker:
     # -- dispatching ----------------------------------------------------------------------------
 
     async def _dispatch_loop(self) -> None:
-        """Each wake-up takes what is queued into one batch (while batch slots are busy, requests pile
-        up into a bigger one), up to ``max_batch_chunks``: the rest goes to the next batch, which is
-        hashed and checked while this one is on the wire."""
+        """Each wake-up takes everything queued into one batch (while batch slots are busy, requests
+        pile up into a bigger one)."""
         slots = asyncio.Semaphore(self._max_batches)
         stopping = False
         while not stopping:
             request = await self._queue.get()
             await slots.acquire()
-            batch, stopping = self._drain(self._queue, request, self._max_batch_chunks)
+            batch, stopping = self._drain(self._queue, request)
             if not batch:
                 slots.release()
                 continue
@@ -497,21 +494,16 @@ class KVWorker:
                 await self._runner.run_lookups(batch)
 
     @staticmethod
-    def _drain(
-        queue: asyncio.Queue[Request | None], first: Request | None, max_chunks: int | None = None
-    ) -> tuple[list[Request], bool]:
-        """What is queued, up to ``max_chunks`` chunks (the first request is always taken)."""
+    def _drain(queue: asyncio.Queue[Request | None], first: Request | None) -> tuple[list[Request], bool]:
         batch: list[Request] = []
         stopping = False
-        chunks = 0
         item = first
         while True:
             if item is None:
                 stopping = True  # close() enqueues the stop mark after the last request
             elif not item.finished:
                 batch.append(item)
-                chunks += item.num_chunks
-            if queue.empty() or stopping or (max_chunks is not None and chunks >= max_chunks):
+            if queue.empty():
                 return batch, stopping
             item = queue.get_nowait()
 

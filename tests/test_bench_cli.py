@@ -68,6 +68,7 @@ def _check_report(report: dict[str, Any], backend: str) -> None:
     assert designs == {
         ("aiokv", "int64 array"),
         ("aiokv", "list"),
+        ("aiokv", "HashedPrompt"),
         ("write-up (thread per request)", "list"),
     }
     assert all(f["cpu_per_request_ms"] > 0 and f["wall_ms"] > 0 for f in report["loop_lag"])

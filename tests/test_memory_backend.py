@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from aiokv import Backend, BackendError, InvalidRequestError, MemoryBackend
+from aiokv.backends import memory as _memory_module
 from aiokv.backends.base import (
     INVALID,
     NO_SPACE,
@@ -379,3 +380,58 @@ def test_valid_keys_needs_every_region_inside() -> None:
     assert memory.valid_keys(table).tolist() == [True, False, False]
     assert RegisteredMemory().valid_keys(table).tolist() == [False, False, False]
     assert table.key_totals().tolist() == [100, 52, 0]
+
+
+# -- the heap: space is reused, never while a get may still read it ---------------------------------
+
+
+def test_removed_space_is_reused_and_other_values_stay_intact() -> None:
+    backend = MemoryBackend(capacity_bytes=4 * 1000)
+    local = Buffers(backend)
+    s, d = local.s, local.d
+    keys = [f"k{i}" for i in range(4)]
+    assert backend.batch_put(keys, [[s + 1000 * i] for i in range(4)], [[1000]] * 4) == [OK] * 4
+    assert backend.batch_put(["extra"], [[s]], [[1000]]) == [NO_SPACE]  # full
+    # Free two holes, then fill them key by key (no contiguous room for both at once).
+    assert backend.batch_remove(["k1", "k3"]) == [OK, OK]
+    assert backend.batch_put(["n1", "n3"], [[s + 3000], [s + 1000]], [[1000], [1000]]) == [OK, OK]
+    expected = {"k0": 0, "k2": 2000, "n1": 3000, "n3": 1000}
+    for key, offset in expected.items():
+        local.dst[:] = 0
+        assert backend.batch_get([key], [[d]], [[1000]]) == [1000]
+        assert np.array_equal(local.dst[:1000], local.src[offset : offset + 1000]), key
+    assert backend.used_bytes == 4000
+    backend.close()
+
+
+def test_space_freed_during_a_get_is_not_reused_until_the_get_is_done() -> None:
+    backend = MemoryBackend(capacity_bytes=1000)
+    local = Buffers(backend)
+    s, d = local.s, local.d
+    assert backend.batch_put(["old"], [[s]], [[1000]]) == [OK]
+    entered, release = threading.Event(), threading.Event()
+    copy = _memory_module._scatter
+
+    def slow_scatter(*args: object) -> None:
+        entered.set()
+        release.wait(10)
+        copy(*args)  # type: ignore[arg-type]
+
+    _memory_module._scatter = slow_scatter  # type: ignore[assignment]
+    try:
+        reader = threading.Thread(target=lambda: backend.batch_get(["old"], [[d]], [[1000]]))
+        reader.start()
+        assert entered.wait(10)
+        # Removed while being read: its capacity is free, but its bytes are not reused yet.
+        assert backend.batch_remove(["old"]) == [OK]
+        assert backend.batch_put(["new"], [[s + 1000]], [[1000]]) == [NO_SPACE]
+        release.set()
+        reader.join(10)
+    finally:
+        _memory_module._scatter = copy  # type: ignore[assignment]
+    assert np.array_equal(local.dst[:1000], local.src[:1000])  # the reader got the old bytes
+    assert backend.batch_put(["new"], [[s + 1000]], [[1000]]) == [OK]  # reused once the read ended
+    local.dst[:] = 0
+    assert backend.batch_get(["new"], [[d]], [[1000]]) == [1000]
+    assert np.array_equal(local.dst[:1000], local.src[1000:2000])
+    backend.close()
