@@ -352,3 +352,13 @@ class ControlledBackend:
             raise AssertionError(f"{op} stayed blocked for {SAFETY_TIMEOUT_S} s: the test never released it")
         if exc is not None:
             raise exc
+
+
+# The two-group geometry the worker tests use, on the embedded backend and on Mooncake.
+TWO_GROUPS_CHUNK_TOKENS = 64  # a multiple of both groups' block sizes
+TWO_GROUP_SPECS: list[dict[str, Any]] = [
+    # Group 0: blocks of 16 tokens, 4 regions whose block lengths alternate (cycled block_lens).
+    {"num_regions": 4, "num_blocks": 64, "block_size": 16, "block_lens": [64, 96]},
+    # Group 1: blocks of 32 tokens, 2 regions.
+    {"num_regions": 2, "num_blocks": 48, "block_size": 32, "block_lens": 128},
+]

@@ -33,6 +33,8 @@ from aiokv.backends.mooncake_master import MooncakeMaster
 
 from .helpers import (
     SENTINEL,
+    TWO_GROUP_SPECS,
+    TWO_GROUPS_CHUNK_TOKENS,
     ControlledBackend,
     PagedCache,
     chunk_block_ids,
@@ -44,13 +46,8 @@ from .helpers import (
     wait_until,
 )
 
-C = 64  # chunk_tokens: a multiple of both groups' block sizes
-SPECS: list[dict[str, Any]] = [
-    # Group 0: blocks of 16 tokens, 4 regions whose block lengths alternate.
-    {"num_regions": 4, "num_blocks": 64, "block_size": 16, "block_lens": [64, 96]},
-    # Group 1: blocks of 32 tokens, 2 regions.
-    {"num_regions": 2, "num_blocks": 48, "block_size": 32, "block_lens": 128},
-]
+C = TWO_GROUPS_CHUNK_TOKENS
+SPECS = TWO_GROUP_SPECS
 HANG_GUARD_S = 60.0  # bounds awaits that must not hang; generous, not a timing assertion
 MiB = 1 << 20
 

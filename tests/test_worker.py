@@ -35,6 +35,8 @@ from aiokv.backends.base import NO_SPACE, NOT_FOUND
 
 from .helpers import (
     SENTINEL,
+    TWO_GROUP_SPECS,
+    TWO_GROUPS_CHUNK_TOKENS,
     ControlledBackend,
     PagedCache,
     aiokv_threads,
@@ -48,13 +50,8 @@ from .helpers import (
     wait_until,
 )
 
-C = 64  # chunk_tokens: a multiple of both groups' block sizes
-SPECS: list[dict[str, Any]] = [
-    # Group 0: block 16 tokens, 4 regions whose block lengths alternate (cycled block_lens).
-    {"num_regions": 4, "num_blocks": 64, "block_size": 16, "block_lens": [64, 96]},
-    # Group 1: block 32 tokens, 2 regions.
-    {"num_regions": 2, "num_blocks": 48, "block_size": 32, "block_lens": 128},
-]
+C = TWO_GROUPS_CHUNK_TOKENS
+SPECS = TWO_GROUP_SPECS
 PER_CHUNK = [C // spec["block_size"] for spec in SPECS]  # blocks per chunk: [4, 2]
 NS = "test-model"
 
