@@ -393,19 +393,18 @@ class BatchRunner:
         rows: IntArray,
         row_errors: list[tuple[IntArray, BaseException]],
     ) -> IntArray:
-        """Per-key outcome codes of one backend batch call (``answer`` is its result or exception)."""
+        """Per-key outcome codes of one backend batch call (``answer``: its result, or the Exception
+        it raised)."""
         # The worker's sizes are often one row broadcast over every key: sum it once.
         expected = np.full(len(sizes), int(sizes[0].sum())) if sizes.strides[0] == 0 else sizes.sum(axis=1)
-        if isinstance(answer, BaseException) or len(answer) != len(keys):  # type: ignore[arg-type]
+        if isinstance(answer, Exception) or len(answer) != len(keys):  # type: ignore[arg-type]
             exc = (
                 answer
-                if isinstance(answer, BaseException)
+                if isinstance(answer, Exception)
                 else BackendError(
                     f"batch_{op} answered {len(answer)} codes for {len(keys)} keys"  # type: ignore[arg-type]
                 )
             )
-            if not isinstance(exc, Exception):
-                raise exc  # CancelledError, KeyboardInterrupt: not a backend fault
             self.stats.backend_exceptions[op] += 1
             logger.warning("aiokv: batch_%s of %d keys failed: %s", op, len(keys), exc)
             row_errors.append((rows, batch_error(f"batch_{op}", exc)))
