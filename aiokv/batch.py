@@ -21,7 +21,7 @@ import asyncio
 import itertools
 import logging
 import operator
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -130,8 +130,8 @@ class BatchRunner:
             if present is not None:
                 live = [r for r in live if not r.finished]
                 plan = await self._decide(cycle, live, present, backing_off=loop.time() < self._backoff_until)
-                await asyncio.gather(
-                    *(self._transfer_group(cycle, g, rows) for g, rows in enumerate(plan) if rows)
+                await _all_settled(
+                    self._transfer_group(cycle, g, rows) for g, rows in enumerate(plan) if rows
                 )
         except Exception as exc:  # a bug, not a backend fault: fail this batch, keep serving
             logger.exception("aiokv: a batch of %d requests failed unexpectedly", len(batch))
@@ -372,7 +372,7 @@ class BatchRunner:
                 answer = exc
             row_codes[rows_part] = self._codes(op, keys, sizes, answer, rows_part, row_errors)
 
-        await asyncio.gather(*(call(*part) for part in parts))
+        await _all_settled(call(*part) for part in parts)
         for j, rows in enumerate(plan):
             if alive[j]:
                 codes = row_codes[offsets[j] : offsets[j + 1]]
@@ -409,7 +409,15 @@ class BatchRunner:
             logger.warning("aiokv: batch_%s of %d keys failed: %s", op, len(keys), exc)
             row_errors.append((rows, batch_error(f"batch_{op}", exc)))
             return np.full(len(keys), BACKEND_EXCEPTION, dtype=np.int64)
-        codes = np.asarray(answer, dtype=np.int64)
+        try:
+            codes = np.asarray(answer, dtype=np.int64)
+            if codes.shape != (len(keys),):
+                raise ValueError(f"shape {codes.shape}")
+        except (TypeError, ValueError, OverflowError) as exc:
+            self.stats.backend_exceptions[op] += 1
+            error = BackendError(f"batch_{op} answered something other than one int code per key: {exc}")
+            row_errors.append((rows, error))
+            return np.full(len(keys), BACKEND_EXCEPTION, dtype=np.int64)
         ok = codes >= 0
         if op == "get":
             # A read reporting another byte count did not fill the blocks as asked.
@@ -479,6 +487,15 @@ class BatchRunner:
             error.__cause__ = exc
             for request in batch:
                 self._fail(request, error)
+
+
+async def _all_settled(coroutines: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """Await every coroutine to its end, then raise the first error: a plain gather would hand an
+    error on while other backend calls still run on the requests' memory."""
+    results = await asyncio.gather(*coroutines, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
 
 
 def _pick_rows(items: list[str], rows: IntArray) -> list[str]:

@@ -898,3 +898,38 @@ def test_aiokv_run_uses_uvloop_when_installed(src: PagedCache) -> None:
     module, stored, hit = aiokv.run(main())
     assert module.startswith("uvloop")
     assert (stored, hit) == (2, 2 * C)
+
+
+class _GarbageThenBlockingBackend(aiokv.MemoryBackend):
+    """Answers group 0's puts with garbage at once and holds group 1's puts until ``release``."""
+
+    def __init__(self) -> None:
+        super().__init__(capacity_bytes=64 << 20)
+        self.release = threading.Event()
+        self.holding = threading.Event()
+
+    def batch_put(self, keys: Any, addrs: Any, sizes: Any) -> list[int]:
+        if ".g0." in keys[0]:
+            return ["not a code"] * len(keys)  # type: ignore[list-item]
+        self.holding.set()
+        self.release.wait(30)
+        return super().batch_put(keys, addrs, sizes)
+
+
+@pytest.mark.asyncio
+async def test_a_garbage_answer_fails_the_request_only_after_every_call_on_its_memory_returned(
+    src: PagedCache,
+) -> None:
+    backend = _GarbageThenBlockingBackend()
+    async with KVWorker(src.layouts, backend, namespace=NS, chunk_tokens=C) as worker:
+        future = worker.store(prompt(90, 2), consecutive(2))
+        try:
+            await wait_until(backend.holding.is_set)
+            await yield_loop()
+            assert not future.done()  # group 0 failed, but group 1's put still reads the blocks
+        finally:
+            backend.release.set()
+        with pytest.raises(BackendError, match="other than one int code per key"):
+            await future
+        # The worker keeps serving.
+        assert await worker.lookup(prompt(90, 2)) == 0
