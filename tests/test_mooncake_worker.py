@@ -11,8 +11,6 @@ They skip (fail under CI) outside a private network namespace; run them with
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -45,6 +43,7 @@ from .helpers import (
     scattered_block_ids,
     wait_until,
 )
+from .mooncake_support import segment_holder
 
 C = TWO_GROUPS_CHUNK_TOKENS
 SPECS = TWO_GROUP_SPECS
@@ -352,35 +351,15 @@ async def test_full_store_fails_chunks_backs_off_stores_and_loads_still_work(
 
 # -- the master dies under pending work ---------------------------------------------------------------
 
+
 # A storage node in another process: it mounts the global segment, so the test's own client can be a
 # pure client (its close after the master's death is quick; a client with a segment takes 8-17 s).
-_STORAGE_NODE = """
-import sys
-from aiokv import MooncakeBackend
-backend = MooncakeBackend.from_master(sys.argv[1], global_segment_size="64MiB")
-print("ready", flush=True)
-sys.stdin.read()
-"""
-
-
 @pytest.fixture
 def storage_node(mooncake_master_factory: Callable[..., MooncakeMaster]) -> Iterator[MooncakeMaster]:
     """A master of the test's own, with another process serving the store's memory."""
     master = mooncake_master_factory()
-    node = subprocess.Popen(
-        [sys.executable, "-c", _STORAGE_NODE, master.address],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        assert node.stdout is not None and node.stdout.readline().strip() == "ready"
+    with segment_holder(master.address, graceful=False):
         yield master
-    finally:
-        # Killed, not closed: after the master's death a segment's unmount waits out RPC timeouts.
-        node.kill()
-        node.wait(30)
 
 
 @pytest.mark.asyncio
