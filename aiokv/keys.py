@@ -29,11 +29,11 @@ _TOKEN_LIMIT = 1 << 32
 def token_bytes(token_ids: TokenIds) -> memoryview:
     """The canonical byte encoding of a prompt (little-endian uint32), validated."""
     if isinstance(token_ids, np.ndarray) and token_ids.dtype == np.dtype("<u4"):
-        return memoryview(np.ascontiguousarray(token_ids)).cast("B")
+        return np.ascontiguousarray(token_ids).data.cast("B")
     tokens = as_int64_array(token_ids, "token_ids", ndim=1)
     if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= _TOKEN_LIMIT):
         raise InvalidRequestError("token_ids must be in [0, 2**32)")
-    return memoryview(tokens.astype("<u4")).cast("B")
+    return tokens.astype("<u4").data.cast("B")
 
 
 def chain_seed(chunk_tokens: int) -> bytes:

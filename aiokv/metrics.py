@@ -50,8 +50,8 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .backends.base import code_name
-from .requests import BACKEND_EXCEPTION, WRITER_CANCELLED
+from .codes import code_name
+from .stats import DIRECTIONS, TRANSFER_KINDS, ChunkOutcome, Kind, Op, StatName
 
 if TYPE_CHECKING:
     from prometheus_client.registry import CollectorRegistry
@@ -62,16 +62,11 @@ __all__ = ["PrometheusExporter", "register_worker_metrics"]
 
 _INSTALL_HINT = "aiokv.metrics needs prometheus_client: pip install 'aiokv[prometheus]'"
 
-# Label values exported even before they occur.
-KINDS = ("store", "load", "lookup")
-TRANSFER_KINDS = ("store", "load")
-OUTCOMES = ("stored", "skipped", "failed", "loaded", "load_failed")
-DIRECTIONS = ("put", "get")
-OPS = ("exists", "put", "get")
+# Label values exported even before they occur (the vocabularies of aiokv.stats).
+KINDS = tuple(kind.value for kind in Kind)
+OUTCOMES = tuple(outcome.value for outcome in ChunkOutcome)
+OPS = tuple(op.value for op in Op)
 QUANTILES = (("0.5", "p50_ms"), ("0.99", "p99_ms"), ("1", "max_ms"))
-
-# aiokv's own per-chunk codes that can reach ``backend_errors``, named for the ``error`` label.
-_EXTRA_CODE_NAMES = {BACKEND_EXCEPTION: "BACKEND_EXCEPTION", WRITER_CANCELLED: "WRITER_CANCELLED"}
 
 
 def _core() -> Any:
@@ -80,10 +75,6 @@ def _core() -> Any:
     except ImportError as exc:  # the optional extra is not installed
         raise ImportError(_INSTALL_HINT) from exc
     return core
-
-
-def _code_label(code: int) -> str:
-    return _EXTRA_CODE_NAMES.get(code) or code_name(code)
 
 
 class PrometheusExporter:
@@ -136,24 +127,26 @@ class PrometheusExporter:
         families = {family.name: family for family in self._families()}
         n = self.namespace
 
-        def counters(name: str, key: str, known: tuple[str, ...]) -> None:
+        def counters(key: StatName, known: tuple[str, ...]) -> None:
             values = dict.fromkeys(known, 0)
-            values.update(stats.get(key) or {})
+            values.update(stats.get(key.value) or {})
             for label, value in sorted(values.items()):
-                families[f"{n}_{name}"].add_metric([str(label)], value)
+                families[f"{n}_{key.value}"].add_metric([str(label)], value)
 
-        counters("requests", "requests", KINDS)
-        counters("requests_failed", "requests_failed", KINDS)
-        counters("requests_cancelled", "requests_cancelled", TRANSFER_KINDS)
-        counters("chunks", "chunks", OUTCOMES)
-        counters("bytes", "bytes", DIRECTIONS)
-        counters("backend_calls", "backend_calls", OPS)
-        counters("backend_exceptions", "backend_exceptions", OPS)
-        for code, count in sorted((stats.get("backend_errors") or {}).items()):
-            families[f"{n}_backend_errors"].add_metric([str(code), _code_label(int(code))], count)
-        families[f"{n}_pressure_backoffs"].add_metric([], stats.get("pressure_backoffs", 0))
-        families[f"{n}_batches"].add_metric([], stats.get("batches", 0))
-        for kind, summary in sorted((stats.get("latency") or {}).items()):
+        counters(StatName.REQUESTS, KINDS)
+        counters(StatName.REQUESTS_FAILED, KINDS)
+        counters(StatName.REQUESTS_CANCELLED, tuple(kind.value for kind in TRANSFER_KINDS))
+        counters(StatName.CHUNKS, OUTCOMES)
+        counters(StatName.BYTES, tuple(op.value for op in DIRECTIONS))
+        counters(StatName.BACKEND_CALLS, OPS)
+        counters(StatName.BACKEND_EXCEPTIONS, OPS)
+        for code, count in sorted((stats.get(StatName.BACKEND_ERRORS.value) or {}).items()):
+            families[f"{n}_{StatName.BACKEND_ERRORS.value}"].add_metric(
+                [str(code), code_name(int(code))], count
+            )
+        for key in (StatName.PRESSURE_BACKOFFS, StatName.BATCHES):
+            families[f"{n}_{key.value}"].add_metric([], stats.get(key.value, 0))
+        for kind, summary in sorted((stats.get(StatName.LATENCY.value) or {}).items()):
             if summary is None:
                 continue
             for quantile, field in QUANTILES:

@@ -1,7 +1,12 @@
-"""Counters and latency summaries of a worker, readable at any time with ``worker.stats()``."""
+"""Counters and latency summaries of a worker, readable at any time with ``worker.stats()``.
+
+The vocabularies of those counters are enums, used by the worker and by :mod:`aiokv.metrics` alike;
+``stats()`` hands users their string values.
+"""
 
 from __future__ import annotations
 
+import enum
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -9,6 +14,52 @@ from typing import Any
 import numpy as np
 
 _LATENCY_WINDOW = 4096  # recent requests per operation kept for percentiles
+
+
+class Kind(enum.StrEnum):
+    """What a request does."""
+
+    STORE = "store"
+    LOAD = "load"
+    LOOKUP = "lookup"
+
+
+TRANSFER_KINDS = (Kind.STORE, Kind.LOAD)
+
+
+class Op(enum.StrEnum):
+    """A backend batch call the worker makes (``put``/``get`` are also the byte directions)."""
+
+    EXISTS = "exists"
+    PUT = "put"
+    GET = "get"
+
+
+DIRECTIONS = (Op.PUT, Op.GET)
+
+
+class ChunkOutcome(enum.StrEnum):
+    STORED = "stored"
+    SKIPPED = "skipped"
+    FAILED = "failed"
+    LOADED = "loaded"
+    LOAD_FAILED = "load_failed"
+
+
+class StatName(enum.StrEnum):
+    """The keys of ``stats()``."""
+
+    REQUESTS = "requests"  # by Kind
+    REQUESTS_FAILED = "requests_failed"  # by Kind
+    REQUESTS_CANCELLED = "requests_cancelled"  # by Kind
+    CHUNKS = "chunks"  # by ChunkOutcome
+    BYTES = "bytes"  # by direction (Op.PUT, Op.GET)
+    BACKEND_CALLS = "backend_calls"  # by Op
+    BACKEND_ERRORS = "backend_errors"  # by status code
+    BACKEND_EXCEPTIONS = "backend_exceptions"  # by Op
+    PRESSURE_BACKOFFS = "pressure_backoffs"
+    BATCHES = "batches"
+    LATENCY = "latency"  # by Kind
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,26 +78,26 @@ class WorkerStats:
     Only the event-loop thread writes; ``snapshot()`` copies, so readers never see a torn update.
     """
 
-    requests: Counter[str] = field(default_factory=Counter)  # by kind: store, load, lookup
-    requests_failed: Counter[str] = field(default_factory=Counter)
-    requests_cancelled: Counter[str] = field(default_factory=Counter)
-    chunks: Counter[str] = field(default_factory=Counter)  # stored, skipped, failed, loaded, load_failed
-    bytes: Counter[str] = field(default_factory=Counter)  # put, get
-    backend_calls: Counter[str] = field(default_factory=Counter)  # exists, put, get
+    requests: Counter[Kind] = field(default_factory=Counter)
+    requests_failed: Counter[Kind] = field(default_factory=Counter)
+    requests_cancelled: Counter[Kind] = field(default_factory=Counter)
+    chunks: Counter[ChunkOutcome] = field(default_factory=Counter)
+    bytes: Counter[Op] = field(default_factory=Counter)
+    backend_calls: Counter[Op] = field(default_factory=Counter)
     backend_errors: Counter[int] = field(default_factory=Counter)  # status code -> (chunk, group) count
-    backend_exceptions: Counter[str] = field(default_factory=Counter)  # by call
+    backend_exceptions: Counter[Op] = field(default_factory=Counter)
     pressure_backoffs: int = 0
     batches: int = 0
-    _latencies: dict[str, deque[float]] = field(default_factory=dict)
+    _latencies: dict[Kind, deque[float]] = field(default_factory=dict)
 
-    def record_latency(self, kind: str, seconds: float) -> None:
+    def record_latency(self, kind: Kind, seconds: float) -> None:
         window = self._latencies.get(kind)
         if window is None:
             window = self._latencies[kind] = deque(maxlen=_LATENCY_WINDOW)
         window.append(seconds)
 
-    def latency(self, kind: str) -> LatencySummary | None:
-        window = self._latencies.get(kind)
+    def latency(self, kind: Kind | str) -> LatencySummary | None:
+        window = self._latencies.get(Kind(kind))
         if not window:
             return None
         values = np.fromiter(window, dtype=np.float64, count=len(window)) * 1e3
@@ -54,17 +105,23 @@ class WorkerStats:
         return LatencySummary(len(values), float(values.mean()), p50, p99, float(values.max()))
 
     def snapshot(self) -> dict[str, Any]:
-        """A plain-data copy: counters as dicts, latencies as :class:`LatencySummary`."""
+        """A plain-data copy with string keys: counters as dicts, latencies as :class:`LatencySummary`."""
+
+        def plain(counter: Counter[Any]) -> dict[Any, int]:
+            return {getattr(key, "value", key): count for key, count in counter.items()}
+
         return {
-            "requests": dict(self.requests),
-            "requests_failed": dict(self.requests_failed),
-            "requests_cancelled": dict(self.requests_cancelled),
-            "chunks": dict(self.chunks),
-            "bytes": dict(self.bytes),
-            "backend_calls": dict(self.backend_calls),
-            "backend_errors": dict(self.backend_errors),
-            "backend_exceptions": dict(self.backend_exceptions),
-            "pressure_backoffs": self.pressure_backoffs,
-            "batches": self.batches,
-            "latency": {kind: self.latency(kind) for kind in sorted(self._latencies)},
+            StatName.REQUESTS.value: plain(self.requests),
+            StatName.REQUESTS_FAILED.value: plain(self.requests_failed),
+            StatName.REQUESTS_CANCELLED.value: plain(self.requests_cancelled),
+            StatName.CHUNKS.value: plain(self.chunks),
+            StatName.BYTES.value: plain(self.bytes),
+            StatName.BACKEND_CALLS.value: plain(self.backend_calls),
+            StatName.BACKEND_ERRORS.value: {int(code): n for code, n in self.backend_errors.items()},
+            StatName.BACKEND_EXCEPTIONS.value: plain(self.backend_exceptions),
+            StatName.PRESSURE_BACKOFFS.value: self.pressure_backoffs,
+            StatName.BATCHES.value: self.batches,
+            StatName.LATENCY.value: {
+                kind.value: self.latency(kind) for kind in sorted(self._latencies, key=lambda k: k.value)
+            },
         }

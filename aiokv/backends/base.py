@@ -1,54 +1,75 @@
 """The backend protocol: the cut below which nothing knows about requests, tokens or groups.
 
 A backend speaks plain primitives: string keys, per-key (address, size) regions, integer status
-codes. The value of a key is the concatenation of its regions. Calls are synchronous and made from
-the worker's executor threads, never on the event loop.
+codes (:mod:`aiokv.codes`). The value of a key is the concatenation of its regions. Calls are
+synchronous and made from the worker's executor threads, never on the event loop.
 
-This module also holds what every backend needs to stay safe: normalising region arguments, and
-:class:`RegisteredMemory`, which proves each region lies inside registered memory before a native
-library (which would crash the process on a wrong pointer) ever sees it.
+:class:`Backend` names every method and attribute the worker uses; the optional ones have documented
+defaults, read through :func:`backend_traits`. :func:`check_backend` checks an object against it.
+The safety helpers every backend uses (:class:`RegionTable`, :class:`RegisteredMemory`) live in
+:mod:`aiokv.backends._regions` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Final, Protocol, runtime_checkable
 
-import numpy as np
+from ..codes import Code, code_name
+from ._regions import Regions, RegionTable, RegisteredMemory, check_keys
 
-from .._arrays import IntArray, as_int64_array
-from ..errors import InvalidRequestError
+# The status codes backends answer, as plain ints (their names: aiokv.codes.Code).
+OK: Final = int(Code.OK)
+NO_SPACE: Final = int(Code.NO_SPACE)  # store full (Mooncake NO_AVAILABLE_HANDLE)
+INVALID: Final = int(Code.INVALID)  # bad argument, or a region outside registered memory
+NOT_FOUND: Final = int(Code.NOT_FOUND)  # key absent (Mooncake OBJECT_NOT_FOUND)
+TRANSFER_FAILED: Final = int(Code.TRANSFER_FAILED)  # size mismatch or transfer error (Mooncake TRANSFER_FAIL)
+UNAVAILABLE: Final = int(Code.UNAVAILABLE)  # store unreachable (Mooncake RPC_FAIL)
 
-# Status codes, shared with Mooncake where it has one.
-OK = 0
-NO_SPACE = -200  # store full (Mooncake NO_AVAILABLE_HANDLE)
-INVALID = -600  # bad argument, or a region outside registered memory (Mooncake INVALID_PARAMS)
-NOT_FOUND = -704  # key absent (Mooncake OBJECT_NOT_FOUND)
-TRANSFER_FAILED = -800  # size mismatch or transfer error (Mooncake TRANSFER_FAIL)
-UNAVAILABLE = -900  # store unreachable (Mooncake RPC_FAIL)
+# A binding converting this many (address, size) pairs holds the GIL ~1.5 ms (Mooncake, measured).
+DEFAULT_REGIONS_PER_CALL: Final = 16384
 
-CODE_NAMES: dict[int, str] = {
-    NO_SPACE: "NO_SPACE",
-    INVALID: "INVALID",
-    NOT_FOUND: "NOT_FOUND",
-    TRANSFER_FAILED: "TRANSFER_FAILED",
-    UNAVAILABLE: "UNAVAILABLE",
-    -1: "INTERNAL",
-}
+REQUIRED_METHODS: Final = ("register_buffer", "batch_exists", "batch_put", "batch_get", "close")
 
-Regions = IntArray | Sequence[Sequence[int]]
-
-_INT64_MAX = int(np.iinfo(np.int64).max)
-
-
-def code_name(code: int) -> str:
-    return CODE_NAMES.get(code, str(code))
+__all__ = [
+    "DEFAULT_REGIONS_PER_CALL",
+    "INVALID",
+    "NOT_FOUND",
+    "NO_SPACE",
+    "OK",
+    "REQUIRED_METHODS",
+    "TRANSFER_FAILED",
+    "UNAVAILABLE",
+    "Backend",
+    "BackendTraits",
+    "Code",
+    "RegionTable",
+    "Regions",
+    "RegisteredMemory",
+    "backend_traits",
+    "check_backend",
+    "check_keys",
+    "keys_per_call",
+    "code_name",
+]
 
 
 @runtime_checkable
 class Backend(Protocol):
-    """What a store must offer aiokv. All methods are blocking and thread-safe."""
+    """What a store must offer aiokv. All methods are blocking and thread-safe.
+
+    Optional members (a backend may leave them out; the worker then uses the default):
+
+    - ``unregister_buffer(addr: int) -> None``: forget a buffer registered at ``addr``; called on the
+      worker's close once no call touches it. Default: not called.
+    - ``max_regions_per_call: int``: the most (address, size) pairs one batch call should carry (what
+      the binding converts while it holds the GIL). Default: :data:`DEFAULT_REGIONS_PER_CALL`.
+    - ``supports_device_memory: bool``: whether the backend can move device (non-host) memory. Default:
+      False, and the worker then refuses a layout whose ``device`` is not ``"cpu"``.
+
+    Extras the worker never calls (``batch_remove``, ``closed``, ...) are each backend's own.
+    """
 
     def register_buffer(self, addr: int, size: int) -> None:
         """Allow transfers from and to ``[addr, addr + size)``; raises on failure."""
@@ -70,135 +91,46 @@ class Backend(Protocol):
         ...
 
     def close(self) -> None:
-        """Release the store's resources; no call may follow."""
+        """Release the store's resources; later calls raise ``BackendError``. Idempotent."""
         ...
 
 
-class RegionTable:
-    """Regions of a batch flattened: pair ``j`` of key ``k`` is ``addrs[offsets[k] + j]``."""
+@dataclass(frozen=True, slots=True)
+class BackendTraits:
+    """A backend's optional protocol members, defaults filled in."""
 
-    __slots__ = ("addrs", "sizes", "offsets")
-
-    def __init__(self, addrs: IntArray, sizes: IntArray, offsets: IntArray) -> None:
-        self.addrs = addrs
-        self.sizes = sizes
-        self.offsets = offsets
-
-    @property
-    def num_keys(self) -> int:
-        return int(self.offsets.size - 1)
-
-    def key_totals(self) -> IntArray:
-        """Bytes of each key's value."""
-        return _per_key_sum(self.sizes, self.offsets)
-
-    @classmethod
-    def from_arguments(cls, keys: Sequence[str], addrs: Regions, sizes: Regions) -> RegionTable:
-        """Validate a batch call's arguments; raise ``InvalidRequestError``/``TypeError`` when wrong."""
-        if isinstance(addrs, np.ndarray) and isinstance(sizes, np.ndarray) and addrs.ndim == 2:
-            flat_addrs = as_int64_array(addrs, "addrs", ndim=2)
-            flat_sizes = as_int64_array(sizes, "sizes", ndim=2)
-            if flat_addrs.shape != flat_sizes.shape or flat_addrs.shape[0] != len(keys):
-                raise InvalidRequestError(
-                    f"addrs {flat_addrs.shape} and sizes {flat_sizes.shape} must both have one row "
-                    f"per key ({len(keys)} keys)"
-                )
-            width = flat_addrs.shape[1]
-            offsets = np.arange(0, (len(keys) + 1) * width, width, dtype=np.int64)
-            return cls(flat_addrs.ravel(), flat_sizes.ravel(), offsets)
-        if len(addrs) != len(keys) or len(sizes) != len(keys):
-            raise InvalidRequestError(
-                f"addrs ({len(addrs)}) and sizes ({len(sizes)}) must have one entry per key ({len(keys)})"
-            )
-        counts = []
-        for k, (row_addrs, row_sizes) in enumerate(zip(addrs, sizes, strict=True)):
-            if len(row_addrs) != len(row_sizes):
-                raise InvalidRequestError(f"key {k}: {len(row_addrs)} addresses but {len(row_sizes)} sizes")
-            counts.append(len(row_addrs))
-        offsets = np.zeros(len(keys) + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
-        flat_addrs = as_int64_array([a for row in addrs for a in row], "addrs", ndim=1)
-        flat_sizes = as_int64_array([s for row in sizes for s in row], "sizes", ndim=1)
-        return cls(flat_addrs, flat_sizes, offsets)
+    max_regions_per_call: int
+    supports_device_memory: bool
+    can_unregister: bool
 
 
-def _per_key_sum(values: IntArray, offsets: IntArray) -> IntArray:
-    totals = np.zeros(values.size + 1, dtype=np.int64)
-    np.cumsum(values, out=totals[1:])
-    return totals[offsets[1:]] - totals[offsets[:-1]]
+def check_backend(backend: object) -> None:
+    """Raise ``TypeError`` naming every required method ``backend`` lacks, or an optional member of
+    the wrong type."""
+    missing = [name for name in REQUIRED_METHODS if not callable(getattr(backend, name, None))]
+    if missing:
+        names = ", ".join(f"{name}()" for name in missing)
+        raise TypeError(f"backend {type(backend).__name__} has no {names} method (see aiokv.Backend)")
+    unregister = getattr(backend, "unregister_buffer", None)
+    if unregister is not None and not callable(unregister):
+        raise TypeError(f"backend {type(backend).__name__}: unregister_buffer must be a method")
+    device = getattr(backend, "supports_device_memory", False)
+    if not isinstance(device, bool):
+        raise TypeError(
+            f"backend {type(backend).__name__}: supports_device_memory must be a bool, not {device!r}"
+        )
 
 
-def check_keys(keys: Sequence[str]) -> None:
-    """Refuse what would make a store misbehave: non-str or empty keys."""
-    if isinstance(keys, (str, bytes)):
-        raise TypeError("keys must be a sequence of str, not a single string")
-    for index, key in enumerate(keys):
-        if not isinstance(key, str) or not key:
-            raise InvalidRequestError(f"keys[{index}] must be a non-empty str, got {key!r}")
+def backend_traits(backend: Backend) -> BackendTraits:
+    """The optional members of a backend :func:`check_backend` accepted, with their defaults."""
+    return BackendTraits(
+        max_regions_per_call=getattr(backend, "max_regions_per_call", DEFAULT_REGIONS_PER_CALL),
+        supports_device_memory=getattr(backend, "supports_device_memory", False),
+        can_unregister=callable(getattr(backend, "unregister_buffer", None)),
+    )
 
 
-class RegisteredMemory:
-    """The address ranges a backend may touch, and the proof that a batch stays inside them.
-
-    Ranges are kept sorted and disjoint; registering one that overlaps another is refused (Mooncake
-    answers -600 there too). ``valid_keys`` is vectorised: one ``searchsorted`` per batch.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        # (starts, ends) in one attribute, replaced whole and never mutated: a reader without the
-        # lock always gets a matching pair (two attributes could be read across an update).
-        empty = np.empty(0, dtype=np.int64)
-        self._table: tuple[IntArray, IntArray] = (empty, empty)
-
-    def add(self, addr: int, size: int) -> None:
-        if isinstance(addr, bool) or isinstance(size, bool):
-            raise TypeError("addr and size must be ints")
-        addr, size = int(addr), int(size)
-        if addr <= 0 or size <= 0:
-            raise InvalidRequestError(
-                f"cannot register [{addr:#x}, +{size}): address and size must be positive"
-            )
-        if addr + size > _INT64_MAX:
-            # Refused before the tables change: the end would not fit the int64 table of ends.
-            raise InvalidRequestError(f"cannot register [{addr:#x}, +{size}): it ends past the int64 range")
-        with self._lock:
-            starts, ends = self._table
-            index = int(np.searchsorted(starts, addr))
-            overlaps_prev = index > 0 and ends[index - 1] > addr
-            overlaps_next = index < starts.size and starts[index] < addr + size
-            if overlaps_prev or overlaps_next:
-                raise InvalidRequestError(f"[{addr:#x}, +{size}) overlaps memory already registered")
-            self._table = (np.insert(starts, index, addr), np.insert(ends, index, addr + size))
-
-    def remove(self, addr: int) -> None:
-        with self._lock:
-            starts, ends = self._table
-            index = int(np.searchsorted(starts, addr))
-            if index >= starts.size or starts[index] != addr:
-                raise InvalidRequestError(f"{addr:#x} is not the start of a registered buffer")
-            self._table = (np.delete(starts, index), np.delete(ends, index))
-
-    def spans(self) -> list[tuple[int, int]]:
-        with self._lock:
-            starts, ends = self._table
-            return [(s, e - s) for s, e in zip(starts.tolist(), ends.tolist(), strict=True)]
-
-    def locate(self, addrs: IntArray, sizes: IntArray) -> tuple[IntArray, np.ndarray]:
-        """Per region: the start address of the registered buffer holding it, and whether the region
-        lies wholly inside that buffer."""
-        starts, ends = self._table  # one read: a consistent snapshot
-        if not starts.size:
-            return np.zeros(addrs.shape, dtype=np.int64), np.zeros(addrs.shape, dtype=bool)
-        index = np.searchsorted(starts, addrs, side="right") - 1
-        safe = np.maximum(index, 0)
-        # ``ends - addrs`` rather than ``addrs + sizes``: the sum could wrap around int64.
-        inside = (index >= 0) & (sizes > 0) & (sizes <= ends[safe] - addrs)
-        return starts[safe], inside
-
-    def valid_keys(self, table: RegionTable) -> np.ndarray:
-        """Per key: True when every region of the key is inside one registered buffer."""
-        _, inside = self.locate(table.addrs, table.sizes)
-        bad = _per_key_sum((~inside).astype(np.int64), table.offsets)
-        empty = table.offsets[1:] == table.offsets[:-1]
-        return (bad == 0) & ~empty
+def keys_per_call(max_regions_per_call: int, regions_per_key: int) -> int:
+    """How many keys of ``regions_per_key`` regions one batch call carries: whole keys, at most
+    ``max_regions_per_call`` regions, and at least one key. The worker splits every call by this rule."""
+    return max(1, max_regions_per_call // max(1, regions_per_key))

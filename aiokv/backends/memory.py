@@ -19,25 +19,21 @@ import logging
 import math
 import threading
 from collections.abc import Sequence
+from types import TracebackType
 
 import numpy as np
 import numpy.typing as npt
 
 from .._arrays import IntArray
+from ..codes import Code
 from ..errors import BackendError
-from .base import (
-    INVALID,
-    NO_SPACE,
-    NOT_FOUND,
-    OK,
-    TRANSFER_FAILED,
-    Regions,
-    RegionTable,
-    RegisteredMemory,
-    check_keys,
-)
+from ._regions import Regions, RegionTable, RegisteredMemory, check_keys
 
 logger = logging.getLogger(__name__)
+
+# Plain ints: puts build one per key, and lists of ints are what callers compare and convert.
+OK, NO_SPACE, INVALID = int(Code.OK), int(Code.NO_SPACE), int(Code.INVALID)
+NOT_FOUND, TRANSFER_FAILED = int(Code.NOT_FOUND), int(Code.TRANSFER_FAILED)
 
 Bytes = npt.NDArray[np.uint8]
 DEFAULT_CAPACITY_BYTES = 1 << 30
@@ -211,6 +207,7 @@ class MemoryBackend:
         return codes
 
     def close(self) -> None:
+        """Drop every value and the registered memory; later calls raise. Idempotent."""
         with self._lock:
             self._closed = True
             self._values.clear()
@@ -220,8 +217,12 @@ class MemoryBackend:
 
     # -- extras beyond the protocol -------------------------------------------------------------
 
-    def batch_remove(self, keys: Sequence[str]) -> list[int]:
-        """Drop keys; ``NOT_FOUND`` for those absent. For tests and explicit eviction."""
+    def batch_remove(self, keys: Sequence[str], *, force: bool = False) -> list[int]:
+        """Drop keys; ``NOT_FOUND`` for those absent. For tests and explicit eviction.
+
+        ``force`` is accepted for the same signature as :meth:`MooncakeBackend.batch_remove`; this
+        store has no read leases, so every remove is forced.
+        """
         self._check_open()
         check_keys(keys)
         codes = []
@@ -243,6 +244,24 @@ class MemoryBackend:
     def used_bytes(self) -> int:
         return self._used
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> MemoryBackend:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"MemoryBackend(capacity_bytes={self.capacity_bytes}, {'closed' if self._closed else 'open'})"
+
     def __len__(self) -> int:
         return len(self._values)
 
@@ -260,7 +279,8 @@ class MemoryBackend:
             return
         base = spans[0][0]
         end = max(addr + size for addr, size in spans)
-        self._space = (base, np.frombuffer((ctypes.c_uint8 * (end - base)).from_address(base), np.uint8))
+        view = (ctypes.c_uint8 * (end - base)).from_address(base)
+        self._space = (base, np.ctypeslib.as_array(view))
 
     def _mapped(self) -> tuple[int, Bytes]:
         space = self._space

@@ -25,11 +25,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
 
+from .mooncake_config import INSTALL_HINT
+
 logger = logging.getLogger("aiokv.backends.mooncake")
 
 HOST = "127.0.0.1"
 EXECUTABLE_NAME = "mooncake_master"
-INSTALL_HINT = "pip install 'aiokv[mooncake-cpu]' (or 'aiokv[mooncake-gpu]' on GPU hosts)"
 
 # Ports picked by binding to port 0 can be taken by someone else before the master binds them.
 _START_ATTEMPTS = 3

@@ -1,6 +1,9 @@
-"""A submitted request as the worker tracks it, and the per-chunk outcome codes it carries.
+"""A submitted request as the engine tracks it.
 
-Internal: users see :class:`~aiokv.futures.TransferFuture` and the result types only.
+The batch pipeline fills the data fields (hashes, keys, positions, codes, waits). The lifecycle
+fields (``state``, ``cancel_requested``, ``timed_out``, ``error``, ``deadline_handle``) are written
+only by :class:`~aiokv._engine.tracker.RequestTracker`; everyone else reads them through
+``finished`` / ``abandoned``. Users see :class:`~aiokv.futures.TransferFuture` and results only.
 """
 
 from __future__ import annotations
@@ -9,36 +12,19 @@ import asyncio
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ._arrays import IntArray
-from .futures import TransferFuture
-from .keys import TokenIds
-
-if TYPE_CHECKING:
-    from .batch import Cycle
-
-# Per (chunk, group) outcome codes besides a backend's own (>= 0 success, < 0 failure).
-WRITTEN = 0  # this request wrote the chunk
-PRESENT = 1  # already stored, or written by another request
-PENDING = -(1 << 40)  # not decided yet
-NOT_ATTEMPTED = -(1 << 41)  # a load chunk after the first missing one
-WRITER_CANCELLED = -10  # the request that was to write a shared chunk went away first
-BACKEND_EXCEPTION = -11  # the batch call holding the chunk raised
-
-INTERNAL_CODES = frozenset({PENDING, NOT_ATTEMPTED})
-
-
-class Kind(enum.Enum):
-    STORE = "store"
-    LOAD = "load"
-    LOOKUP = "lookup"
+from .._arrays import IntArray
+from ..futures import TransferFuture
+from ..keys import TokenIds
+from ..stats import Kind
+from .batch_keys import Cycle
 
 
 class State(enum.Enum):
     QUEUED = "queued"  # queued, or in a batch before any backend call on its memory
     TRANSFERRING = "transferring"  # a backend call may be reading or writing its memory
-    DONE = "done"
+    DONE = "done"  # its future is settled
 
 
 @dataclass(slots=True)
@@ -65,6 +51,7 @@ class Request:
     positions: list[IntArray] = field(default_factory=list)  # per group: index of each key in its batch
     codes: list[IntArray] = field(default_factory=list)  # per group: outcome of each chunk
     waits: list[Wait] = field(default_factory=list)
+    # -- lifecycle: written by the tracker only --
     state: State = State.QUEUED
     cancel_requested: bool = False
     timed_out: bool = False

@@ -1,0 +1,101 @@
+"""Queues into batches. Two queues: transfers (stores and loads) and lookups, so a lookup never waits
+behind a batch. Tasks are held by role: the dispatcher task, the lookup task, the batch tasks."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from .request import Request
+
+RunBatch = Callable[[list[Request]], Awaitable[None]]
+
+
+class Dispatcher:
+    def __init__(self, run_transfers: RunBatch, run_lookups: RunBatch, max_concurrent_batches: int) -> None:
+        self._run_transfers = run_transfers
+        self._run_lookups = run_lookups
+        self._max_batches = max_concurrent_batches
+        self._transfers: asyncio.Queue[Request | None] = asyncio.Queue()
+        self._lookups: asyncio.Queue[Request | None] = asyncio.Queue()
+        self._dispatch_task: asyncio.Task[None] | None = None
+        self._lookup_task: asyncio.Task[None] | None = None
+        self._batch_tasks: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._dispatch_task = loop.create_task(self._dispatch_loop(), name="aiokv-dispatcher")
+        self._lookup_task = loop.create_task(self._lookup_loop(), name="aiokv-lookups")
+
+    def submit(self, request: Request) -> None:
+        self._transfers.put_nowait(request)
+
+    def submit_lookup(self, request: Request) -> None:
+        self._lookups.put_nowait(request)
+
+    def stop(self) -> None:
+        """Graceful: the loops end after everything queued so far has been batched."""
+        self._transfers.put_nowait(None)
+        self._lookups.put_nowait(None)
+
+    def cancel_loops(self) -> None:
+        """Immediate: stop batching. Running batches go on (their calls may touch memory)."""
+        for task in (self._dispatch_task, self._lookup_task):
+            if task is not None:
+                task.cancel()
+
+    def _tasks(self) -> list[asyncio.Task[None]]:
+        loops = [t for t in (self._dispatch_task, self._lookup_task) if t is not None and not t.done()]
+        return loops + [t for t in self._batch_tasks if not t.done()]
+
+    async def wait(self) -> None:
+        """Until every task has ended (loops and batches, including batches started meanwhile)."""
+        # asyncio.wait, not gather: when a caller's timeout (close(timeout=...)) cancels this wait,
+        # gather would cancel the batches too, while their backend calls still use the caller's memory.
+        while tasks := self._tasks():
+            done, _ = await asyncio.wait(tasks)
+            for task in done:
+                if not task.cancelled():
+                    task.exception()  # retrieved, as gather(return_exceptions=True) did
+
+    async def _dispatch_loop(self) -> None:
+        """Each wake-up takes everything queued into one batch (while batch slots are busy, requests
+        pile up into a bigger one)."""
+        slots = asyncio.Semaphore(self._max_batches)
+        stopping = False
+        while not stopping:
+            request = await self._transfers.get()
+            await slots.acquire()
+            batch, stopping = _drain(self._transfers, request)
+            if not batch:
+                slots.release()
+                continue
+            task = asyncio.get_running_loop().create_task(self._run(batch), name="aiokv-batch")
+            self._batch_tasks.add(task)
+            task.add_done_callback(self._batch_tasks.discard)
+            task.add_done_callback(lambda _: slots.release())
+
+    async def _run(self, batch: list[Request]) -> None:
+        await self._run_transfers(batch)
+
+    async def _lookup_loop(self) -> None:
+        stopping = False
+        while not stopping:
+            request = await self._lookups.get()
+            batch, stopping = _drain(self._lookups, request)
+            if batch:
+                await self._run_lookups(batch)
+
+
+def _drain(queue: asyncio.Queue[Request | None], first: Request | None) -> tuple[list[Request], bool]:
+    batch: list[Request] = []
+    stopping = False
+    item = first
+    while True:
+        if item is None:
+            stopping = True  # stop() enqueues the stop mark after the last request
+        elif not item.finished:
+            batch.append(item)
+        if queue.empty():
+            return batch, stopping
+        item = queue.get_nowait()

@@ -1,0 +1,147 @@
+"""One dispatcher batch, from drained requests to backend calls and back.
+
+1. hash the prompts on the loop, in short slices (:mod:`.hashing`);
+2. build keys and their positions in the batch (:mod:`.batch_keys`), and claim the store keys, so no
+   key is written twice, by two requests of this batch or by two overlapping batches (:mod:`.claims`);
+3. one ``batch_exists`` for all keys, on the control lane;
+4. decisions: what needs no transfer is settled, the rest planned per group (:mod:`.plan`);
+5. per group one ``regions_for_chunks`` call, then backend calls split to at most
+   ``max_regions_per_call`` regions (:mod:`.regions`, :mod:`.transfer`);
+6. per-chunk codes from each answer (:mod:`.answers`) written back into each request, and the
+   tracker settles every request (:mod:`.tracker`).
+
+The bookkeeping is vectorised over chunks: per key only hashing, string building and one dict
+operation or two happen in Python.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+
+from .._arrays import IntArray
+from ..codes import Code
+from ..errors import AiokvError, BackendError
+from ..stats import Kind, Op, WorkerStats
+from .answers import batch_error
+from .backoff import PressureBackoff
+from .batch_keys import YIELD_EVERY_KEYS, Cycle, assign_positions
+from .claims import Claims
+from .config import EngineConfig
+from .hashing import hash_prompts
+from .lanes import Lane, Lanes
+from .plan import decide
+from .request import Request
+from .tracker import RequestTracker
+from .transfer import GroupTransfer, all_settled
+
+logger = logging.getLogger("aiokv")
+
+
+class BatchPipeline:
+    """Runs the batches of one worker; holds what outlives a batch (key claims, backoff)."""
+
+    def __init__(
+        self, config: EngineConfig, tracker: RequestTracker, lanes: Lanes, stats: WorkerStats
+    ) -> None:
+        self._config = config
+        self._tracker = tracker
+        self._lanes = lanes
+        self._stats = stats
+        self._claims = Claims()
+        self._backoff = PressureBackoff(config.pressure_backoff_s, stats)
+        self._transfer = GroupTransfer(config, lanes, tracker, stats, self._backoff)
+
+    async def run_transfers(self, batch: list[Request]) -> None:
+        cycle = Cycle.new()
+        self._stats.batches += 1
+        try:
+            live = await self._prepare_keys(batch, cycle)
+            await self._claims.claim(cycle, [r for r in live if r.kind is Kind.STORE])
+            present = await self._exists(cycle, live)
+            if present is not None:
+                live = [r for r in live if not r.finished]
+                groups = self._config.groups
+                plan = await decide(cycle, live, present, groups, backing_off=self._backoff.active())
+                await all_settled(self._transfer.run(cycle, g, rows) for g, rows in enumerate(plan) if rows)
+        except Exception as exc:  # a bug, not a backend fault: fail this batch, keep serving
+            logger.exception("aiokv: a batch of %d requests failed unexpectedly", len(batch))
+            self._fail_all(batch, AiokvError(f"internal error in the dispatcher: {exc!r}"), exc)
+        finally:
+            self._claims.release(cycle)
+        await self._settle(batch)
+
+    async def run_lookups(self, batch: list[Request]) -> None:
+        cycle = Cycle.new()
+        try:
+            live = await self._prepare_keys(batch, cycle)
+            present = await self._exists(cycle, live)
+            if present is None:
+                return
+            for request in live:
+                if not request.finished:
+                    request.codes = [present[p].astype(np.int64) for p in request.positions]
+                    self._tracker.settle(request)
+        except Exception as exc:
+            logger.exception("aiokv: a lookup batch failed unexpectedly")
+            self._fail_all(batch, AiokvError(f"internal error in lookup: {exc!r}"), exc)
+
+    def _fail_all(self, batch: list[Request], error: AiokvError, cause: Exception) -> None:
+        error.__cause__ = cause
+        for request in batch:
+            self._tracker.fail(request, error)
+
+    async def _prepare_keys(self, requests: list[Request], cycle: Cycle) -> list[Request]:
+        """Hash, build every key and its position in the batch's list of unique keys."""
+        config = self._config
+        await hash_prompts(requests, config.chunk_tokens, config.seed, self._tracker)
+        live = [r for r in requests if not r.finished]
+        done_keys = 0
+        for request in live:
+            hashes = request.hashes
+            if hashes is None:
+                raise AiokvError(f"request #{request.id} reached key building unhashed")
+            request.keys = [[prefix + h for h in hashes] for prefix in config.prefixes]
+            request.codes = [
+                np.full(request.num_chunks, Code.PENDING, dtype=np.int64) for _ in config.prefixes
+            ]
+            done_keys += request.num_chunks * config.groups
+            if done_keys >= YIELD_EVERY_KEYS:
+                done_keys = 0
+                await asyncio.sleep(0)
+        positions = await assign_positions(cycle, [r.keys for r in live])
+        for request, mine in zip(live, positions, strict=True):
+            request.positions = mine
+        return live
+
+    async def _exists(self, cycle: Cycle, live: list[Request]) -> IntArray | None:
+        """Presence of every key of the batch; on failure every live request fails, and None."""
+        keys = cycle.keys
+        if not keys:
+            return np.zeros(0, dtype=bool)
+        self._stats.backend_calls[Op.EXISTS] += 1
+        try:
+            answer = await self._lanes.run(Lane.CONTROL, self._config.backend.batch_exists, keys)
+            if len(answer) != len(keys):
+                raise BackendError(f"batch_exists answered {len(answer)} values for {len(keys)} keys")
+            return np.asarray(answer, dtype=bool)
+        except Exception as exc:
+            self._stats.backend_exceptions[Op.EXISTS] += 1
+            error = batch_error("batch_exists", exc)
+            logger.warning("aiokv: batch_exists of %d keys failed: %s", len(keys), exc)
+            for request in live:
+                self._tracker.fail(request, error)
+            return None
+
+    async def _settle(self, batch: list[Request]) -> None:
+        """Resolve shared chunks from their writers' outcomes; settle every request."""
+        for request in batch:
+            if request.finished:
+                continue
+            for wait in request.waits:
+                await wait.cycle.outcomes_ready
+                outcome = wait.cycle.outcome_of(wait.keys)
+                request.codes[wait.group][wait.chunks] = np.where(outcome >= 0, Code.PRESENT, outcome)
+            self._tracker.settle(request)

@@ -1,0 +1,89 @@
+"""Step 4 of a batch: decisions. Per request, settle what needs no transfer (present store keys are
+skipped, a load stops at its first hole) and collect, per group, the rows of chunks to move."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._arrays import IntArray
+from ..codes import Code
+from ..stats import Kind, Op
+from .batch_keys import YIELD_EVERY_KEYS, Cycle
+from .request import Request, Wait
+
+
+@dataclass(slots=True)
+class Rows:
+    """Chunks of one request that one group moves: its block rows, and (for puts) key positions."""
+
+    request: Request
+    op: Op  # Op.PUT or Op.GET
+    chunks: IntArray
+    positions: IntArray
+
+
+Plan = list[list[Rows]]  # per group
+
+
+async def decide(
+    cycle: Cycle, live: list[Request], present: IntArray, groups: int, *, backing_off: bool
+) -> Plan:
+    """Write the codes of chunks that need no transfer; return per group the rows to move.
+
+    ``backing_off``: the store answered "full" recently, so missing store chunks get ``NO_SPACE``
+    without a call.
+    """
+    plan: Plan = [[] for _ in range(groups)]
+    taken = np.zeros(present.size, dtype=bool)  # store keys given a writer in this batch
+    done_keys = 0
+    for request in live:
+        if request.kind is Kind.STORE:
+            _decide_store(cycle, request, present, taken, plan, backing_off=backing_off)
+        else:
+            _decide_load(request, present, plan)
+        done_keys += request.num_chunks * groups
+        if done_keys >= YIELD_EVERY_KEYS:
+            done_keys = 0
+            await asyncio.sleep(0)
+    return plan
+
+
+def _decide_store(
+    cycle: Cycle, request: Request, present: IntArray, taken: IntArray, plan: Plan, *, backing_off: bool
+) -> None:
+    for group, positions in enumerate(request.positions):
+        codes = request.codes[group]
+        own = cycle.owned[positions]
+        if not own.any():
+            continue
+        found = own & present[positions]
+        codes[found] = Code.PRESENT
+        cycle.outcome[positions[found]] = Code.PRESENT
+        missing = own & ~found
+        if backing_off:
+            codes[missing] = Code.NO_SPACE
+            cycle.outcome[positions[missing]] = Code.NO_SPACE
+            continue
+        first = missing & ~taken[positions]
+        duplicate = missing & ~first
+        taken[positions[first]] = True
+        if duplicate.any():
+            chunks = np.flatnonzero(duplicate)
+            request.waits.append(Wait(cycle, group, chunks, [request.keys[group][i] for i in chunks]))
+        if first.any():
+            chunks = np.flatnonzero(first)
+            plan[group].append(Rows(request, Op.PUT, chunks, positions[chunks]))
+
+
+def _decide_load(request: Request, present: IntArray, plan: Plan) -> None:
+    found = np.stack([present[positions] for positions in request.positions])
+    holes = np.flatnonzero(~found.all(axis=0))
+    prefix = int(holes[0]) if holes.size else request.num_chunks
+    for group, codes in enumerate(request.codes):
+        codes[prefix:] = np.where(found[group, prefix:], Code.NOT_ATTEMPTED, Code.NOT_FOUND)
+        if prefix:
+            chunks = np.arange(prefix, dtype=np.int64)
+            plan[group].append(Rows(request, Op.GET, chunks, request.positions[group][:prefix]))

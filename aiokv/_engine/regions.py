@@ -1,0 +1,83 @@
+"""Step 5 of a batch: region planning. One group's rows (chunks to move, of many requests) become
+backend calls of at most ``max_regions_per_call`` regions each (:func:`~aiokv.backends.base.keys_per_call`),
+so that no call holds the GIL for long while the binding converts its arguments."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+
+from .._arrays import IntArray
+from ..backends.base import keys_per_call
+from ..layout import RegionBatch
+from ..stats import Op
+from .batch_keys import pick, pick_rows
+from .plan import Rows
+
+
+@dataclass(slots=True)
+class GroupRows:
+    """A group's rows back to back: row ``r`` belongs to ``plan[plan_of_row[r]]``."""
+
+    plan: list[Rows]
+    offsets: IntArray  # rows of plan[j] are offsets[j]:offsets[j + 1]
+    plan_of_row: IntArray
+    is_put: IntArray  # per row
+    keys: list[str]  # per row
+
+    @classmethod
+    def of(cls, plan: list[Rows], group: int) -> GroupRows:
+        lengths = np.fromiter((rows.chunks.size for rows in plan), dtype=np.int64, count=len(plan))
+        offsets = np.zeros(len(plan) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        plan_of_row = np.repeat(np.arange(len(plan)), lengths)
+        is_put = np.array([rows.op is Op.PUT for rows in plan], dtype=bool)[plan_of_row]
+        keys = list(
+            itertools.chain.from_iterable(pick(rows.request.keys[group], rows.chunks) for rows in plan)
+        )
+        return cls(plan, offsets, plan_of_row, is_put, keys)
+
+    @property
+    def size(self) -> int:
+        return int(self.offsets[-1])
+
+    def block_matrix(self, group: int) -> IntArray:
+        """The block ids of every row, for ``KVLayout.regions_for_chunks``."""
+        return np.concatenate([rows.request.blocks[group][rows.chunks] for rows in self.plan])
+
+
+@dataclass(slots=True)
+class Call:
+    """One backend batch call: its op, the rows it carries, their keys and regions."""
+
+    op: Op
+    rows: IntArray
+    keys: list[str]
+    addrs: IntArray
+    sizes: IntArray
+
+
+def split_calls(
+    group_rows: GroupRows, region_batches: list[RegionBatch], live_row: IntArray, max_regions_per_call: int
+) -> list[Call]:
+    """The calls moving every live row, puts and gets apart, each within ``max_regions_per_call``."""
+    calls: list[Call] = []
+    for regions in region_batches:
+        for op, wanted in ((Op.PUT, group_rows.is_put), (Op.GET, ~group_rows.is_put)):
+            mask = wanted[regions.rows] & live_row[regions.rows]
+            if not mask.any():
+                continue
+            if mask.all():  # the usual case: no copy of the region arrays on the loop
+                rows, addrs, sizes = regions.rows, regions.addrs, regions.sizes
+            else:
+                rows, addrs, sizes = regions.rows[mask], regions.addrs[mask], regions.sizes[mask]
+            per_call = keys_per_call(max_regions_per_call, addrs.shape[1])
+            for start in range(0, rows.size, per_call):
+                part = slice(start, start + per_call)
+                rows_part = rows[part]
+                calls.append(
+                    Call(op, rows_part, pick_rows(group_rows.keys, rows_part), addrs[part], sizes[part])
+                )
+    return calls

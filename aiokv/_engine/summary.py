@@ -1,0 +1,70 @@
+"""Per-chunk codes into what a request reports: ``StoreResult``, ``LoadResult``, a lookup's length.
+
+Only documented codes reach a result (never :data:`~aiokv.codes.INTERNAL_CODES`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+from .._arrays import IntArray
+from ..codes import INTERNAL_CODES, WRITTEN
+from ..results import LoadResult, StoreResult
+from ..stats import ChunkOutcome, WorkerStats
+
+
+def store_result(codes_per_group: list[IntArray], stats: WorkerStats) -> StoreResult:
+    if not codes_per_group or codes_per_group[0].size == 0:
+        return StoreResult(0, 0, 0)
+    codes = np.stack(codes_per_group)  # (groups, chunks)
+    failed = (codes < 0).any(axis=0)
+    stored = ~failed & (codes == WRITTEN).any(axis=0)
+    failed_chunks = tuple(np.flatnonzero(failed).tolist())
+    result = StoreResult(
+        stored=int(stored.sum()),
+        skipped=int((~failed & ~stored).sum()),
+        failed=len(failed_chunks),
+        failed_chunks=failed_chunks,
+        errors=count_errors(codes),
+    )
+    stats.chunks[ChunkOutcome.STORED] += result.stored
+    stats.chunks[ChunkOutcome.SKIPPED] += result.skipped
+    stats.chunks[ChunkOutcome.FAILED] += result.failed
+    return result
+
+
+def load_result(
+    codes_per_group: list[IntArray], blocks: list[IntArray], chunk_tokens: int, stats: WorkerStats
+) -> LoadResult:
+    if not codes_per_group or codes_per_group[0].size == 0:
+        return LoadResult(0, tuple(() for _ in blocks))
+    codes = np.stack(codes_per_group)
+    loaded = np.asarray((codes >= 0).all(axis=0), dtype=np.bool_)
+    failed = np.flatnonzero(~loaded)
+    stats.chunks[ChunkOutcome.LOADED] += int(loaded.sum())
+    stats.chunks[ChunkOutcome.LOAD_FAILED] += int(failed.size)
+    return LoadResult(
+        loaded_tokens=prefix_length(loaded) * chunk_tokens,
+        failed_block_ids=tuple(tuple(group_blocks[failed].ravel().tolist()) for group_blocks in blocks),
+        loaded_chunks=int(loaded.sum()),
+        errors=count_errors(codes),
+    )
+
+
+def lookup_length(codes_per_group: list[IntArray], chunk_tokens: int) -> int:
+    present = np.asarray(np.stack(codes_per_group).astype(bool).all(axis=0), dtype=np.bool_)
+    return prefix_length(present) * chunk_tokens
+
+
+def prefix_length(ok: npt.NDArray[np.bool_]) -> int:
+    bad = np.flatnonzero(~ok)
+    return int(bad[0]) if bad.size else int(ok.size)
+
+
+def count_errors(codes: IntArray) -> dict[int, int]:
+    failures = codes[(codes < 0) & ~np.isin(codes, [int(code) for code in INTERNAL_CODES])]
+    if not failures.size:
+        return {}
+    values, counts = np.unique(failures, return_counts=True)
+    return dict(zip(values.tolist(), counts.tolist(), strict=True))

@@ -1,0 +1,148 @@
+"""``RequestTracker``: the one owner of every request's lifecycle.
+
+Invariants (stated here once; nothing else writes these fields or settles a future):
+
+1. ``QUEUED → TRANSFERRING → DONE``, or ``QUEUED → DONE``; never back. Only
+   :meth:`RequestTracker.begin_transfer`, asked by the batch pipeline just before the first backend
+   call that may touch the request's memory, moves a request to TRANSFERRING.
+2. A request is DONE exactly when its future is settled, and :meth:`_settle_future` is the only place
+   that settles futures (result, exception or cancellation), updates the request counters and
+   latencies, cancels the deadline and forgets the request.
+3. A TRANSFERRING request is never settled by cancel, deadline, error or terminate: those are
+   remembered (``cancel_requested``, ``timed_out``, ``error``: the first error wins) and take effect in
+   :meth:`settle`, which the pipeline calls once none of the request's backend calls runs. So a future
+   is never done while a backend may still read or write the caller's memory.
+4. A QUEUED request is settled at once by cancel, deadline, :meth:`fail` or :meth:`terminate`; the
+   pipeline then sees it ``finished`` and skips it (and ``begin_transfer`` refuses it).
+
+For a per-call transfer state (a request transferring only while one of its calls runs), the
+pipeline would ask ``begin_transfer`` per call and report each call's end here; the fields to count
+them belong on the request next to ``state``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from ..errors import TransferTimeoutError
+from ..stats import Kind, WorkerStats
+from .request import Request, State
+from .summary import load_result, lookup_length, store_result
+
+
+class RequestTracker:
+    def __init__(self, stats: WorkerStats, chunk_tokens: int) -> None:
+        self._stats = stats
+        self._chunk_tokens = chunk_tokens
+        self.active: set[Request] = set()  # submitted and not DONE
+
+    # -- submit ---------------------------------------------------------------------------------
+
+    def track(self, request: Request, loop: asyncio.AbstractEventLoop, timeout: float | None) -> None:
+        """Start tracking a new QUEUED request, with its deadline ``timeout`` seconds from now."""
+        if timeout is not None:
+            request.deadline_handle = loop.call_later(timeout, self._on_deadline, request)
+        self._stats.requests[request.kind] += 1
+        self.active.add(request)
+
+    # -- asked by the pipeline ------------------------------------------------------------------
+
+    def begin_transfer(self, request: Request) -> bool:
+        """Move ``request`` to TRANSFERRING before a backend call touches its memory, unless it was
+        cancelled, timed out or finished meanwhile (then False: start nothing for it)."""
+        if request.abandoned:
+            return False
+        request.state = State.TRANSFERRING
+        return True
+
+    def fail(self, request: Request, error: BaseException) -> None:
+        """A step failed for ``request``: settle it now if no call of it may run, else remember the
+        error for :meth:`settle` (the first one wins)."""
+        if request.finished:
+            return
+        if request.state is State.TRANSFERRING:
+            if request.error is None:
+                request.error = error
+        else:
+            self._settle_future(request, error=error)
+
+    def settle(self, request: Request) -> None:
+        """Finish a request none of whose backend calls runs any more, from what happened to it:
+        cancelled, timed out, failed, or its result built from its per-chunk codes."""
+        if request.finished:
+            return
+        if request.cancel_requested:
+            self._settle_future(request, cancelled=True)
+        elif request.timed_out:
+            message = f"{request.kind.value} #{request.id} passed its deadline during the transfer"
+            self._settle_future(request, error=TransferTimeoutError(message))
+        elif request.error is not None:
+            self._settle_future(request, error=request.error)
+        elif request.kind is Kind.STORE:
+            self._settle_future(request, value=store_result(request.codes, self._stats))
+        elif request.kind is Kind.LOAD:
+            value = load_result(request.codes, request.blocks, self._chunk_tokens, self._stats)
+            self._settle_future(request, value=value)
+        else:
+            self._settle_future(request, value=lookup_length(request.codes, self._chunk_tokens))
+
+    def finish_lookup(self, request: Request, length: int) -> None:
+        """A lookup answered without a batch (an empty prompt)."""
+        self._settle_future(request, value=length)
+
+    # -- asked by the user and the worker -------------------------------------------------------
+
+    def cancel(self, request: Request) -> bool:
+        """``TransferFuture.cancel``: at once if no call may run, else when the calls return."""
+        if request.finished:
+            return False
+        if request.state is State.TRANSFERRING:
+            request.cancel_requested = True  # honoured by settle()
+        else:
+            self._settle_future(request, cancelled=True)
+        return True
+
+    def terminate(self, error: BaseException) -> None:
+        """Fail every request no backend call may touch; the transferring ones end with their calls."""
+        for request in list(self.active):
+            if request.state is State.QUEUED:
+                self._settle_future(request, error=error)
+
+    def _on_deadline(self, request: Request) -> None:
+        request.deadline_handle = None
+        if request.finished:
+            return
+        if request.state is State.TRANSFERRING:
+            request.timed_out = True  # honoured by settle()
+        else:
+            message = f"{request.kind.value} #{request.id} timed out before it ran"
+            self._settle_future(request, error=TransferTimeoutError(message))
+
+    # -- the one place futures are settled ------------------------------------------------------
+
+    def _settle_future(
+        self,
+        request: Request,
+        *,
+        value: object = None,
+        error: BaseException | None = None,
+        cancelled: bool = False,
+    ) -> None:
+        if request.finished:
+            return
+        request.state = State.DONE
+        self.active.discard(request)
+        if request.deadline_handle is not None:
+            request.deadline_handle.cancel()
+            request.deadline_handle = None
+        kind = request.kind
+        self._stats.record_latency(kind, time.perf_counter() - request.submitted)
+        if cancelled:
+            self._stats.requests_cancelled[kind] += 1
+            request.future._set_cancelled()
+        elif error is not None:
+            self._stats.requests_failed[kind] += 1
+            request.future._set_exception(error)
+        else:
+            request.future._set_result(value)

@@ -1,0 +1,104 @@
+"""Steps 5 and 6 of a batch for one KV-cache group: the group's regions (one ``regions_for_chunks``
+call), the go-ahead from the tracker for each request, the backend calls, and each answer's codes
+written back into the requests and the batch's shared outcomes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Iterable
+from typing import Any
+
+import numpy as np
+
+from .._arrays import IntArray
+from ..codes import Code
+from ..errors import AiokvError
+from ..stats import Op, WorkerStats
+from .answers import answer_codes
+from .backoff import PressureBackoff
+from .batch_keys import Cycle
+from .config import EngineConfig
+from .lanes import Lane, Lanes
+from .plan import Rows
+from .regions import Call, GroupRows, split_calls
+from .tracker import RequestTracker
+
+
+class GroupTransfer:
+    """Moves the rows one group's plan holds; shared by every batch of a worker."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        lanes: Lanes,
+        tracker: RequestTracker,
+        stats: WorkerStats,
+        backoff: PressureBackoff,
+    ) -> None:
+        self._config = config
+        self._lanes = lanes
+        self._tracker = tracker
+        self._stats = stats
+        self._backoff = backoff
+
+    async def run(self, cycle: Cycle, group: int, plan: list[Rows]) -> None:
+        """Rows are the chunks of ``plan`` back to back; calls write per-row codes into one array, so
+        a call costs a few NumPy operations however many requests its rows belong to."""
+        rows = GroupRows.of(plan, group)
+        row_codes = np.full(rows.size, Code.PENDING, dtype=np.int64)
+        row_errors: list[tuple[IntArray, BaseException]] = []
+        layout = self._config.layouts[group]
+        try:
+            region_batches = await self._lanes.run(
+                Lane.CONTROL, layout.regions_for_chunks, rows.block_matrix(group)
+            )
+        except Exception as exc:
+            error = AiokvError(f"computing the regions of group {group} failed: {exc!r}")
+            error.__cause__ = exc
+            row_codes[:] = Code.BACKEND_EXCEPTION
+            row_errors.append((np.arange(row_codes.size), error))
+            region_batches = []
+        # Requests cancelled while the regions were computed are dropped before any backend call;
+        # the others are now in flight and their memory may be touched.
+        alive = np.array([self._tracker.begin_transfer(r.request) for r in plan], dtype=bool)
+        for r, ok in zip(plan, alive.tolist(), strict=True):
+            if not ok and r.op is Op.PUT:
+                cycle.outcome[r.positions] = Code.WRITER_CANCELLED
+        calls = split_calls(rows, region_batches, alive[rows.plan_of_row], self._config.max_regions_per_call)
+        await all_settled(self._call(call, row_codes, row_errors) for call in calls)
+        for j, r in enumerate(plan):
+            if alive[j]:
+                codes = row_codes[rows.offsets[j] : rows.offsets[j + 1]]
+                r.request.codes[group][r.chunks] = codes
+                if r.op is Op.PUT:
+                    cycle.outcome[r.positions] = codes
+        for failed_rows, call_error in row_errors:
+            for j in np.unique(rows.plan_of_row[failed_rows]).tolist():
+                self._tracker.fail(plan[j].request, call_error)
+
+    async def _call(
+        self, call: Call, row_codes: IntArray, row_errors: list[tuple[IntArray, BaseException]]
+    ) -> None:
+        """One backend call; its answer becomes codes as it arrives, so the loop never handles all
+        calls at once."""
+        self._stats.backend_calls[call.op] += 1
+        backend = self._config.backend
+        method = backend.batch_put if call.op is Op.PUT else backend.batch_get
+        answer: object
+        try:
+            answer = await self._lanes.run(Lane.TRANSFER, method, call.keys, call.addrs, call.sizes)
+        except Exception as exc:
+            answer = exc
+        codes, error = answer_codes(call.op, call.keys, call.sizes, answer, self._stats, self._backoff)
+        row_codes[call.rows] = codes
+        if error is not None:
+            row_errors.append((call.rows, error))
+
+
+async def all_settled(coroutines: Iterable[Coroutine[Any, Any, None]]) -> None:
+    """Await every coroutine to its end, then raise the first error: a plain gather would hand an
+    error on while other backend calls still run on the requests' memory."""
+    results = await asyncio.gather(*coroutines, return_exceptions=True)
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result

@@ -1,0 +1,126 @@
+"""Checks of the worker's arguments: at construction, and at submit (cheap, on the caller's time).
+
+Token values are checked later, as they are hashed, slice by slice (:mod:`aiokv._engine.hashing`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from ._arrays import IntArray, as_int64_array
+from .errors import InvalidRequestError
+from .keys import HashedPrompt, TokenIds
+from .layout import KVLayout
+
+BlockIds = Sequence[Sequence[int]] | Sequence[IntArray] | IntArray
+
+
+def check_layouts(layouts: Sequence[KVLayout] | KVLayout) -> tuple[KVLayout, ...]:
+    if isinstance(layouts, KVLayout):
+        layouts = [layouts]
+    if not isinstance(layouts, Sequence):
+        raise TypeError("layouts must be a KVLayout or a non-empty sequence of KVLayout")
+    checked = tuple(layouts)
+    if not checked or not all(isinstance(layout, KVLayout) for layout in checked):
+        raise TypeError("layouts must be a KVLayout or a non-empty sequence of KVLayout")
+    return checked
+
+
+def check_chunk_tokens(chunk_tokens: int, layouts: Sequence[KVLayout]) -> None:
+    for group, layout in enumerate(layouts):
+        if chunk_tokens % layout.block_size:
+            raise InvalidRequestError(
+                f"chunk_tokens {chunk_tokens} is not a multiple of group {group}'s "
+                f"block_size {layout.block_size}"
+            )
+
+
+def check_layouts_reachable(layouts: Sequence[KVLayout], backend: object, device_memory: bool) -> None:
+    """Refuse device memory on a backend that can only move host memory."""
+    if device_memory:
+        return
+    for group, layout in enumerate(layouts):
+        device = getattr(layout, "device", "cpu")
+        if device != "cpu":
+            raise InvalidRequestError(
+                f"group {group}'s layout is on device {device!r}, but backend {type(backend).__name__} "
+                "moves host memory only (its supports_device_memory is False)"
+            )
+
+
+def check_backoff(seconds: object) -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < float("inf"):
+        raise InvalidRequestError(f"pressure_backoff_s must be a finite number >= 0, got {seconds!r}")
+    return float(seconds)
+
+
+def check_timeout(timeout: float | None) -> None:
+    if timeout is not None and (
+        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
+    ):
+        raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+
+def check_tokens(tokens: TokenIds | HashedPrompt, chunk_tokens: int) -> tuple[Sequence[str] | None, int]:
+    """The prompt's digests if it came hashed, and its number of whole chunks."""
+    if isinstance(tokens, HashedPrompt):
+        if tokens.chunk_tokens != chunk_tokens:
+            raise InvalidRequestError(
+                f"the HashedPrompt was chunked by {tokens.chunk_tokens} tokens, the worker by {chunk_tokens}"
+            )
+        return tokens.hashes, len(tokens.hashes)
+    if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(
+        tokens, (Sequence, np.ndarray)
+    ):
+        raise TypeError(f"token_ids must be a sequence or 1-D array of ints, not {type(tokens).__name__}")
+    if isinstance(tokens, np.ndarray) and (tokens.ndim != 1 or tokens.dtype.kind not in "iu"):
+        raise InvalidRequestError(
+            f"token_ids must be a 1-D integer array, got shape {tokens.shape} and dtype {tokens.dtype}"
+        )
+    return None, len(tokens) // chunk_tokens
+
+
+def check_block_ids(
+    block_ids: BlockIds | None,
+    num_chunks: int,
+    layouts: Sequence[KVLayout],
+    blocks_per_chunk: Sequence[int],
+) -> list[IntArray]:
+    """Per group: the block ids the whole chunks use, as a ``(num_chunks, blocks per chunk)`` array."""
+    groups = len(layouts)
+    if (
+        block_ids is None
+        or isinstance(block_ids, (str, bytes))
+        or not isinstance(block_ids, (Sequence, np.ndarray))
+        or (isinstance(block_ids, np.ndarray) and block_ids.ndim != 2)
+    ):
+        raise TypeError("block_ids must hold one sequence of block ids per KV-cache group")
+    if len(block_ids) != groups:
+        hint = " (for one group pass [block_ids])" if groups == 1 else ""
+        raise InvalidRequestError(
+            f"block_ids must hold one sequence per KV-cache group: expected {groups}, "
+            f"got {len(block_ids)}{hint}"
+        )
+    checked = []
+    for group, (ids, layout, per_chunk) in enumerate(zip(block_ids, layouts, blocks_per_chunk, strict=True)):
+        if np.isscalar(ids):
+            raise TypeError(f"block_ids[{group}] must be a sequence of block ids, not a single value")
+        array = as_int64_array(ids, f"block_ids[{group}]", ndim=1)
+        needed = num_chunks * per_chunk
+        if array.size < needed:
+            raise InvalidRequestError(
+                f"block_ids[{group}] has {array.size} block ids but the {num_chunks} whole chunks "
+                f"need {needed}"
+            )
+        used = array[:needed]
+        outside = (used < 0) | (used >= layout.num_blocks)
+        if outside.any():
+            index = int(np.flatnonzero(outside)[0])
+            raise InvalidRequestError(
+                f"block_ids[{group}][{index}] = {int(used[index])} is outside the group's "
+                f"{layout.num_blocks} blocks"
+            )
+        checked.append(used.reshape(num_chunks, per_chunk))
+    return checked
