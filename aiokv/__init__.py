@@ -23,7 +23,7 @@ from .layout import KVLayout
 from .results import LoadResult, StoreResult
 from .runner import run
 from .threaded import SyncTransferFuture, ThreadedKVWorker
-from .worker import KVWorker
+from .worker import KVWorker, WorkerState
 
 if TYPE_CHECKING:
     from .backends.mooncake import MooncakeBackend
@@ -49,6 +49,7 @@ __all__ = [
     "TransferFuture",
     "TransferTimeoutError",
     "WorkerClosedError",
+    "WorkerState",
     "chunk_hashes",
     "run",
 ]
