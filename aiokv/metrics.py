@@ -160,47 +160,41 @@ class PrometheusExporter:
     def _families(self) -> list[Any]:
         core, n = self._core, self.namespace
         counter, gauge = core.CounterMetricFamily, core.GaugeMetricFamily
-        return [
-            counter(f"{n}_requests", "Requests submitted, by kind.", labels=["kind"]),
-            counter(
-                f"{n}_requests_failed", "Requests that finished with an error, by kind.", labels=["kind"]
-            ),
-            counter(f"{n}_requests_cancelled", "Requests cancelled, by kind.", labels=["kind"]),
-            counter(
-                f"{n}_chunks",
-                "Chunks by outcome: stored, skipped (already present), failed, loaded, load_failed.",
-                labels=["outcome"],
-            ),
-            counter(f"{n}_bytes", "Bytes moved: put (to the store), get (from it).", labels=["direction"]),
-            counter(f"{n}_backend_calls", "Backend batch calls, by operation.", labels=["op"]),
-            counter(
-                f"{n}_backend_errors",
-                "(chunk, group) pairs a backend call answered with an error code, by code.",
-                labels=["code", "error"],
-            ),
-            counter(
-                f"{n}_backend_exceptions", "Backend batch calls that raised, by operation.", labels=["op"]
-            ),
-            counter(
-                f"{n}_pressure_backoffs", "Times stores backed off after the store answered full (-200)."
-            ),
-            counter(f"{n}_batches", "Dispatcher batches run."),
-            gauge(
-                f"{n}_request_latency_seconds",
-                "Submit-to-done latency over recent requests: quantile 0.5, 0.99, and 1 (the maximum).",
-                labels=["kind", "quantile"],
-            ),
-            gauge(
-                f"{n}_request_latency_mean_seconds",
-                "Mean submit-to-done latency over recent requests.",
-                labels=["kind"],
-            ),
-            gauge(
-                f"{n}_request_latency_window",
-                "Recent requests the latency figures summarise.",
-                labels=["kind"],
-            ),
+        families = [
+            counter(f"{n}_{name.value}", text, labels=labels) for name, (text, labels) in _COUNTERS.items()
         ]
+        families += [gauge(f"{n}_{name}", text, labels=labels) for name, (text, labels) in _GAUGES.items()]
+        return families
+
+
+# Counter families, named by the stats() key they export.
+_COUNTERS: dict[StatName, tuple[str, list[str]]] = {
+    StatName.REQUESTS: ("Requests submitted, by kind.", ["kind"]),
+    StatName.REQUESTS_FAILED: ("Requests that finished with an error, by kind.", ["kind"]),
+    StatName.REQUESTS_CANCELLED: ("Requests cancelled, by kind.", ["kind"]),
+    StatName.CHUNKS: (
+        "Chunks by outcome: stored, skipped (already present), failed, loaded, load_failed.",
+        ["outcome"],
+    ),
+    StatName.BYTES: ("Bytes moved: put (to the store), get (from it).", ["direction"]),
+    StatName.BACKEND_CALLS: ("Backend batch calls, by operation.", ["op"]),
+    StatName.BACKEND_ERRORS: (
+        "(chunk, group) pairs a backend call answered with an error code, by code.",
+        ["code", "error"],
+    ),
+    StatName.BACKEND_EXCEPTIONS: ("Backend batch calls that raised, by operation.", ["op"]),
+    StatName.PRESSURE_BACKOFFS: ("Times stores backed off after the store answered full (-200).", []),
+    StatName.BATCHES: ("Dispatcher batches run.", []),
+}
+# Gauge families of the latency summaries (stats()["latency"]).
+_GAUGES: dict[str, tuple[str, list[str]]] = {
+    "request_latency_seconds": (
+        "Submit-to-done latency over recent requests: quantile 0.5, 0.99, and 1 (the maximum).",
+        ["kind", "quantile"],
+    ),
+    "request_latency_mean_seconds": ("Mean submit-to-done latency over recent requests.", ["kind"]),
+    "request_latency_window": ("Recent requests the latency figures summarise.", ["kind"]),
+}
 
 
 def register_worker_metrics(

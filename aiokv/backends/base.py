@@ -110,7 +110,8 @@ def check_backend(backend: object) -> None:
     missing = [name for name in REQUIRED_METHODS if not callable(getattr(backend, name, None))]
     if missing:
         names = ", ".join(f"{name}()" for name in missing)
-        raise TypeError(f"backend {type(backend).__name__} has no {names} method (see aiokv.Backend)")
+        plural = "s" if len(missing) > 1 else ""
+        raise TypeError(f"backend {type(backend).__name__} has no {names} method{plural} (see aiokv.Backend)")
     unregister = getattr(backend, "unregister_buffer", None)
     if unregister is not None and not callable(unregister):
         raise TypeError(f"backend {type(backend).__name__}: unregister_buffer must be a method")
