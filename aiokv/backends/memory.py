@@ -16,17 +16,17 @@ import bisect
 import ctypes
 import itertools
 import logging
-import math
 import threading
 from collections.abc import Sequence
 from types import TracebackType
 
 import numpy as np
-import numpy.typing as npt
 
-from .._arrays import IntArray
 from ..codes import Code
 from ..errors import BackendError
+from ._copies import Bytes, offsets_within_keys, select_keys
+from ._copies import gather as _gather
+from ._copies import scatter as _scatter
 from ._regions import Regions, RegionTable, RegisteredMemory, check_keys
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,6 @@ logger = logging.getLogger(__name__)
 OK, NO_SPACE, INVALID = int(Code.OK), int(Code.NO_SPACE), int(Code.INVALID)
 NOT_FOUND, TRANSFER_FAILED = int(Code.NOT_FOUND), int(Code.TRANSFER_FAILED)
 
-Bytes = npt.NDArray[np.uint8]
 DEFAULT_CAPACITY_BYTES = 1 << 30
 
 
@@ -118,7 +117,7 @@ class MemoryBackend:
         key_offsets_list = [offsets[k] for k in written]
         key_sizes_list = [totals[k] for k in written]
         try:
-            sub = _select_keys(table, rows)
+            sub = select_keys(table, rows)
             base, space = self._mapped()
             key_offsets = np.asarray(key_offsets_list, dtype=np.int64)
             key_sizes = totals_array[rows]
@@ -127,7 +126,7 @@ class MemoryBackend:
                 start = key_offsets_list[0]  # the usual case: one heap block for the whole batch
                 _gather(space, sub.addrs - base, sub.sizes, heap[start : start + sum(key_sizes_list)])
             else:
-                targets = np.repeat(key_offsets, np.diff(sub.offsets)) + _offsets_within_keys(sub)
+                targets = np.repeat(key_offsets, np.diff(sub.offsets)) + offsets_within_keys(sub)
                 _scatter(space, sub.addrs - base, sub.sizes, heap, targets)
         except BaseException:
             with self._lock:
@@ -187,12 +186,12 @@ class MemoryBackend:
                 return codes
             self._readers += 1  # the values' heap space is not reused until the copy is done
         try:
-            sub = _select_keys(table, np.asarray(rows, dtype=np.int64))
+            sub = select_keys(table, np.asarray(rows, dtype=np.int64))
             value_offsets = np.asarray([offset for offset, _ in found], dtype=np.int64)
             base, space = self._mapped()
             _scatter(
                 self._heap.buffer,
-                np.repeat(value_offsets, np.diff(sub.offsets)) + _offsets_within_keys(sub),
+                np.repeat(value_offsets, np.diff(sub.offsets)) + offsets_within_keys(sub),
                 sub.sizes,
                 space,
                 sub.addrs - base,
@@ -336,67 +335,3 @@ class _Heap:
             self._free[index][1] += self._free.pop(index + 1)[1]
         if index > 0 and self._free[index - 1][0] + self._free[index - 1][1] == offset:
             self._free[index - 1][1] += self._free.pop(index)[1]
-
-
-def _unit(*offsets: IntArray) -> int:
-    """The largest element size dividing every offset and size: copies move elements, not bytes."""
-    return math.gcd(*np.gcd.reduce(np.stack(offsets), axis=1).tolist())
-
-
-def _gather(source: Bytes, offsets: IntArray, sizes: IntArray, target: Bytes) -> None:
-    """``target`` = the regions ``source[offsets[j] : offsets[j] + sizes[j]]`` back to back."""
-    unit = _unit(offsets, sizes, _exclusive_cumsum(sizes))
-    lengths = sizes // unit
-    index = _expand_ranges(offsets // unit, lengths)
-    # mode="clip" skips take's buffered bounds check (10x slower here): every index is proven in range.
-    np.take(_as_rows(source, unit), index, axis=0, out=_as_rows(target, unit)[: index.size], mode="clip")
-
-
-def _scatter(
-    source: Bytes, offsets: IntArray, sizes: IntArray, target: Bytes, target_offsets: IntArray
-) -> None:
-    """Copy ``source[offsets[j] : +sizes[j]]`` to ``target[target_offsets[j] : +sizes[j]]`` for all j."""
-    unit = _unit(offsets, sizes, target_offsets)
-    lengths = sizes // unit
-    source_index = _expand_ranges(offsets // unit, lengths)
-    rows = _as_rows(source, unit)
-    if source_index.size > 1 and bool((np.diff(source_index) == 1).all()):
-        first = int(source_index[0])
-        rows = rows[first : first + source_index.size]  # values back to back: no gather needed
-    else:
-        rows = rows[source_index]
-    _as_rows(target, unit)[_expand_ranges(target_offsets // unit, lengths)] = rows
-
-
-def _offsets_within_keys(table: RegionTable) -> IntArray:
-    """Per region: its byte offset inside its key's value."""
-    starts = _exclusive_cumsum(table.sizes)
-    return starts - np.repeat(starts[table.offsets[:-1]], np.diff(table.offsets))
-
-
-def _exclusive_cumsum(values: IntArray) -> IntArray:
-    out = np.zeros(values.size, dtype=np.int64)
-    np.cumsum(values[:-1], out=out[1:])
-    return out
-
-
-def _select_keys(table: RegionTable, rows: IntArray) -> RegionTable:
-    counts = np.diff(table.offsets)[rows]
-    pair_index = _expand_ranges(table.offsets[rows], counts)
-    offsets = np.zeros(rows.size + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    return RegionTable(table.addrs[pair_index], table.sizes[pair_index], offsets)
-
-
-def _expand_ranges(starts: IntArray, lengths: IntArray) -> IntArray:
-    """Concatenation of ``arange(s, s + n)`` for each (s, n), without a Python loop."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.empty(0, dtype=np.int64)
-    ends = np.cumsum(lengths)
-    return np.arange(total, dtype=np.int64) + np.repeat(starts - (ends - lengths), lengths)
-
-
-def _as_rows(data: Bytes, unit: int) -> Bytes:
-    """View bytes as rows of ``unit`` bytes (a trailing remainder is never addressed)."""
-    return data[: data.size - data.size % unit].reshape(-1, unit)
