@@ -56,6 +56,16 @@ class WorkerState(enum.Enum):
     CLOSED = "closed"  # backend released, threads stopped
 
 
+# The one guard of the lifecycle: every change of state goes through KVWorker._move.
+_NEXT_STATES: dict[WorkerState, frozenset[WorkerState]] = {
+    WorkerState.NEW: frozenset({WorkerState.RUNNING, WorkerState.CLOSED}),  # CLOSED: a failed start
+    WorkerState.RUNNING: frozenset({WorkerState.CLOSING, WorkerState.TERMINATING}),
+    WorkerState.CLOSING: frozenset({WorkerState.TERMINATING, WorkerState.CLOSED}),
+    WorkerState.TERMINATING: frozenset({WorkerState.CLOSED}),
+    WorkerState.CLOSED: frozenset(),
+}
+
+
 class KVWorker:
     """Moves chunks of one engine's KV cache between its blocks and a backend, from asyncio.
 
@@ -190,14 +200,14 @@ class KVWorker:
                 await lanes.run(Lane.TRANSFER, self.backend.register_buffer, addr, size)
                 self._registered.append(addr)
         except BaseException:
-            self._state = WorkerState.CLOSED
+            self._move(WorkerState.CLOSED)
             await self._release_backend()
             lanes.shutdown_now()
             raise
         pipeline = BatchPipeline(self._config, self._tracker, lanes, self._stats)
         self._dispatcher = Dispatcher(pipeline.run_transfers, pipeline.run_lookups, self._max_batches)
         self._dispatcher.start()
-        self._state = WorkerState.RUNNING
+        self._move(WorkerState.RUNNING)
 
     async def close(self, timeout: float | None = None) -> None:
         """Graceful: take no more work, finish everything submitted, then release the backend.
@@ -206,8 +216,7 @@ class KVWorker:
         """
         if self._state in (WorkerState.NEW, WorkerState.CLOSED):
             return
-        if self._state is WorkerState.RUNNING:
-            self._state = WorkerState.CLOSING
+        if self._move(WorkerState.CLOSING):
             self._running_dispatcher().stop()
         try:
             await asyncio.wait_for(self._running_dispatcher().wait(), timeout)
@@ -222,9 +231,8 @@ class KVWorker:
         A request inside a backend call finishes when that call returns, since its memory is in use
         until then; :meth:`wait_closed` waits for that and for every task and thread to end.
         """
-        if self._state not in (WorkerState.RUNNING, WorkerState.CLOSING):
+        if not self._move(WorkerState.TERMINATING):
             return
-        self._state = WorkerState.TERMINATING
         self._tracker.terminate(WorkerClosedError("the worker was terminated"))
         self._running_dispatcher().cancel_loops()
         self._running_lanes().terminate()
@@ -233,11 +241,11 @@ class KVWorker:
         """Wait until every task of the worker has ended, then release the backend."""
         if self._dispatcher is not None:
             await self._dispatcher.wait()
-        if self._state in (WorkerState.NEW, WorkerState.CLOSED):
+        if not self._move(WorkerState.CLOSED):
             return
-        self._state = WorkerState.CLOSED
         await self._release_backend()
-        await self._running_lanes().shutdown()
+        if self._lanes is not None:
+            await self._lanes.shutdown()
 
     # -- submitting -----------------------------------------------------------------------------
 
@@ -322,6 +330,13 @@ class KVWorker:
         return request
 
     # -- internals ------------------------------------------------------------------------------
+
+    def _move(self, state: WorkerState) -> bool:
+        """Enter ``state`` if the lifecycle allows it from the current one; False otherwise."""
+        if state not in _NEXT_STATES[self._state]:
+            return False
+        self._state = state
+        return True
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
