@@ -97,7 +97,7 @@ class WorkerStats:
         window.append(seconds)
 
     def latency(self, kind: Kind | str) -> LatencySummary | None:
-        window = self._latencies.get(Kind(kind))
+        window = self._latencies.get(Kind(kind)) if kind in tuple(Kind) else None
         if not window:
             return None
         values = np.fromiter(window, dtype=np.float64, count=len(window)) * 1e3
