@@ -16,6 +16,7 @@ import numpy.typing as npt
 from .errors import InvalidRequestError
 
 IntArray = npt.NDArray[np.int64]
+BoolArray = npt.NDArray[np.bool_]
 IntArrayLike = Sequence[int] | Sequence[Sequence[int]] | npt.NDArray[np.integer[Any]]
 
 _INT64_MAX = np.iinfo(np.int64).max

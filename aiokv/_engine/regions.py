@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .._arrays import IntArray
+from .._arrays import BoolArray, IntArray
 from ..backends.base import keys_per_call
 from ..layout import RegionBatch
 from ..stats import Op
@@ -24,7 +24,7 @@ class GroupRows:
     plan: list[Rows]
     offsets: IntArray  # rows of plan[j] are offsets[j]:offsets[j + 1]
     plan_of_row: IntArray
-    is_put: IntArray  # per row
+    is_put: BoolArray  # per row
     keys: list[str]  # per row
 
     @classmethod
@@ -60,7 +60,7 @@ class Call:
 
 
 def split_calls(
-    group_rows: GroupRows, region_batches: list[RegionBatch], live_row: IntArray, max_regions_per_call: int
+    group_rows: GroupRows, region_batches: list[RegionBatch], live_row: BoolArray, max_regions_per_call: int
 ) -> list[Call]:
     """The calls moving every live row, puts and gets apart, each within ``max_regions_per_call``."""
     calls: list[Call] = []

@@ -10,9 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import IntArray
+from .._arrays import BoolArray, IntArray
 from ..codes import Code
 from ..errors import AiokvError
+from ..layout import RegionBatch
 from ..stats import Op, WorkerStats
 from .answers import answer_codes
 from .backoff import PressureBackoff
@@ -47,23 +48,8 @@ class GroupTransfer:
         rows = GroupRows.of(plan, group)
         row_codes = np.full(rows.size, Code.PENDING, dtype=np.int64)
         row_errors: list[tuple[IntArray, BaseException]] = []
-        layout = self._config.layouts[group]
-        try:
-            region_batches = await self._lanes.run(
-                Lane.CONTROL, layout.regions_for_chunks, rows.block_matrix(group)
-            )
-        except Exception as exc:
-            error = AiokvError(f"computing the regions of group {group} failed: {exc!r}")
-            error.__cause__ = exc
-            row_codes[:] = Code.BACKEND_EXCEPTION
-            row_errors.append((np.arange(row_codes.size), error))
-            region_batches = []
-        # Requests cancelled while the regions were computed are dropped before any backend call;
-        # the others are now in flight and their memory may be touched.
-        alive = np.array([self._tracker.begin_transfer(r.request) for r in plan], dtype=bool)
-        for r, ok in zip(plan, alive.tolist(), strict=True):
-            if not ok and r.op is Op.PUT:
-                cycle.outcome[r.positions] = Code.WRITER_CANCELLED
+        region_batches = await self._regions(rows, group, row_codes, row_errors)
+        alive = self._begin(cycle, plan)
         calls = split_calls(rows, region_batches, alive[rows.plan_of_row], self._config.max_regions_per_call)
         await all_settled(self._call(call, row_codes, row_errors) for call in calls)
         for j, r in enumerate(plan):
@@ -72,9 +58,38 @@ class GroupTransfer:
                 r.request.codes[group][r.chunks] = codes
                 if r.op is Op.PUT:
                     cycle.outcome[r.positions] = codes
-        for failed_rows, call_error in row_errors:
+        for failed_rows, error in row_errors:
             for j in np.unique(rows.plan_of_row[failed_rows]).tolist():
-                self._tracker.fail(plan[j].request, call_error)
+                self._tracker.fail(plan[j].request, error)
+
+    async def _regions(
+        self,
+        rows: GroupRows,
+        group: int,
+        row_codes: IntArray,
+        row_errors: list[tuple[IntArray, BaseException]],
+    ) -> list[RegionBatch]:
+        """The regions of every row (one ``regions_for_chunks`` call on the control lane); if that
+        fails, every row fails with the error."""
+        matrix = rows.block_matrix(group)
+        try:
+            return await self._lanes.run(Lane.CONTROL, self._config.layouts[group].regions_for_chunks, matrix)
+        except Exception as exc:
+            error = AiokvError(f"computing the regions of group {group} failed: {exc!r}")
+            error.__cause__ = exc
+            row_codes[:] = Code.BACKEND_EXCEPTION
+            row_errors.append((np.arange(row_codes.size), error))
+            return []
+
+    def _begin(self, cycle: Cycle, plan: list[Rows]) -> BoolArray:
+        """Per plan entry, whether its request may be transferred (the tracker's go-ahead). Requests
+        cancelled while the regions were computed are dropped before any backend call (the chunks
+        they were to write for others fail ``WRITER_CANCELLED``); the others are now in flight."""
+        alive = np.array([self._tracker.begin_transfer(r.request) for r in plan], dtype=bool)
+        for r, ok in zip(plan, alive.tolist(), strict=True):
+            if not ok and r.op is Op.PUT:
+                cycle.outcome[r.positions] = Code.WRITER_CANCELLED
+        return alive
 
     async def _call(
         self, call: Call, row_codes: IntArray, row_errors: list[tuple[IntArray, BaseException]]
