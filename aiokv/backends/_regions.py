@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .._arrays import IntArray, as_int64_array
+from .._arrays import BoolArray, IntArray, as_int64_array
 from ..errors import InvalidRequestError
 
 Regions = IntArray | Sequence[Sequence[int]]
@@ -140,7 +140,7 @@ class RegisteredMemory:
         inside = (index >= 0) & (sizes > 0) & (sizes <= ends[safe] - addrs)
         return starts[safe], inside
 
-    def valid_keys(self, table: RegionTable) -> np.ndarray:
+    def valid_keys(self, table: RegionTable) -> BoolArray:
         """Per key: True when every region of the key is inside one registered buffer."""
         _, inside = self.locate(table.addrs, table.sizes)
         bad = _per_key_sum((~inside).astype(np.int64), table.offsets)

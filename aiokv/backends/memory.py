@@ -22,6 +22,7 @@ from types import TracebackType
 
 import numpy as np
 
+from .._arrays import BoolArray
 from ..codes import Code
 from ..errors import BackendError
 from ._copies import Bytes, offsets_within_keys, select_keys
@@ -215,6 +216,13 @@ class MemoryBackend:
             self._used = 0
 
     # -- extras beyond the protocol -------------------------------------------------------------
+
+    def valid_keys(self, keys: Sequence[str], addrs: Regions, sizes: Regions) -> BoolArray:
+        """Per key: whether every region lies inside registered memory, the proof every batch call
+        makes before touching memory (a key failing it is answered -600)."""
+        self._check_open()
+        check_keys(keys)
+        return self._memory.valid_keys(RegionTable.from_arguments(keys, addrs, sizes))
 
     def batch_remove(self, keys: Sequence[str], *, force: bool = False) -> list[int]:
         """Drop keys; ``NOT_FOUND`` for those absent. For tests and explicit eviction.

@@ -23,9 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import IntArray
+from .._arrays import BoolArray, IntArray
 from ..codes import Code, code_name
-from ..errors import BackendError, BackendUnavailableError
+from ..errors import BackendError, BackendUnavailableError, InvalidRequestError
 from ._regions import Regions, RegionTable, RegisteredMemory, check_keys
 from .mooncake_config import (
     CONFIG_ENV_VAR,
@@ -49,6 +49,7 @@ __all__ = [
     "MooncakeBackend",
     "MooncakeConfig",
     "parse_size",
+    "region_lists",
 ]
 
 # Codes meaning the master could not be asked: the batch fails as a whole.
@@ -83,7 +84,7 @@ def _import_store() -> tuple[Any, Any]:
     return MooncakeDistributedStore, ReplicateConfig
 
 
-def _region_lists(table: RegionTable, rows: IntArray | None) -> tuple[list[list[int]], list[list[int]]]:
+def region_lists(table: RegionTable, rows: IntArray | None) -> tuple[list[list[int]], list[list[int]]]:
     """Per-key lists of Python ints for the keys ``rows`` (all when None).
 
     Lists of Python ints are what the binding converts fastest: even counting ``tolist``, passing
@@ -106,6 +107,9 @@ def _region_lists(table: RegionTable, rows: IntArray | None) -> tuple[list[list[
         [flat_addrs[bounds[k] : bounds[k + 1]] for k in selected],
         [flat_sizes[bounds[k] : bounds[k + 1]] for k in selected],
     )
+
+
+_region_lists = region_lists  # the name benchmarks/mooncake_conversion.py imports
 
 
 class MooncakeBackend:
@@ -267,6 +271,30 @@ class MooncakeBackend:
 
     # -- extras beyond the protocol -------------------------------------------------------------
 
+    def valid_keys(self, keys: Sequence[str], addrs: Regions, sizes: Regions) -> BoolArray:
+        """Per key: whether every region lies inside memory registered with this backend, the proof
+        every batch call makes before Mooncake sees a key (a key failing it is answered -600)."""
+        self._check_open()
+        check_keys(keys)
+        return self._memory.valid_keys(RegionTable.from_arguments(keys, addrs, sizes))
+
+    def conversion_probe(self, addr_lists: list[list[int]], size_lists: list[list[int]]) -> None:
+        """For benchmarks: the binding converts these region lists (holding the GIL, as in a real get),
+        passed for a single key, so Mooncake refuses the call (-600: more lists than keys) and nothing
+        is transferred. The lists must be at least two and lie in registered memory, like any call's."""
+        self._check_open()
+        if len(addr_lists) < 2:
+            raise InvalidRequestError("conversion_probe needs at least two region lists (one per key)")
+        names = [f"probe-{i}" for i in range(len(addr_lists))]
+        if not self._memory.valid_keys(RegionTable.from_arguments(names, addr_lists, size_lists)).all():
+            raise InvalidRequestError("conversion_probe: a region lies outside registered memory")
+        with self._native() as store:
+            codes = store.batch_get_into_multi_buffers(
+                ["aiokv-conversion-probe"], addr_lists, size_lists, False
+            )
+        if list(codes) != [int(Code.INVALID)]:
+            raise BackendError(f"the conversion probe answered {list(codes)}, expected [-600]")
+
     def batch_remove(self, keys: Sequence[str], *, force: bool = False) -> list[int]:
         """Drop keys; per key 0 or a negative code. ``force`` ignores read leases (-706 for ~10 s
         after a get otherwise). For tests and explicit eviction."""
@@ -319,7 +347,7 @@ class MooncakeBackend:
                 return codes
         subset = None if rows.size == count else rows
         native_keys = list(keys) if subset is None else [keys[k] for k in rows.tolist()]
-        addr_lists, size_lists = _region_lists(table, subset)
+        addr_lists, size_lists = region_lists(table, subset)
         with self._native() as store:
             if op == "put":
                 native = store.batch_put_from_multi_buffers(
