@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Generic, TypeVar
 
 from .backends.base import Backend
@@ -65,7 +65,7 @@ class ThreadedKVWorker:
 
     def __init__(
         self,
-        layouts: list[KVLayout] | KVLayout,
+        layouts: Sequence[KVLayout] | KVLayout,
         backend: Backend,
         *,
         namespace: KeyNamespace | str,
