@@ -1,209 +1,32 @@
-"""Fault injection for tests: a backend wrapper that fails, delays or hangs calls on cue, and records
-every call it saw.
-
-Like httpx's ``MockTransport``, this ships with aiokv so that aiokv's own tests and yours can drive a
-:class:`~aiokv.KVWorker` through the failures a real store produces, without a real store::
-
-    import threading
-
-    from aiokv import KVWorker, MemoryBackend
-    from aiokv.backends.base import NOT_FOUND, TRANSFER_FAILED
-    from aiokv.testing import FaultInjectingBackend, FaultRule
-
-    release = threading.Event()
-    backend = FaultInjectingBackend(
-        MemoryBackend(),
-        rules=[
-            FaultRule(op="put", per_key=True, probability=0.1, code=TRANSFER_FAILED),  # ~10% of keys
-            FaultRule(op="get", keys=lambda key: key.endswith(bad_hash), code=NOT_FOUND),
-            FaultRule(op="exists", times=1, exception=ConnectionError),  # the first exists raises
-            FaultRule(op="put", hang=release),  # puts block until release.set() (30 s at most)
-        ],
-        seed=1,
-    )
-    async with KVWorker(layout, backend, namespace="model", chunk_tokens=256) as worker:
-        ...
-    written = backend.sent_keys("put")  # keys that reached the MemoryBackend's batch_put
-
-How a rule applies to a call:
-
-- ``op`` picks the calls: ``"exists"``, ``"put"``, ``"get"``, ``"register"`` or ``"*"`` (the three data
-  calls). ``keys`` picks the keys it targets: ``None`` (all), a collection of keys, or a predicate. A
-  call with no targeted key is left alone.
-- The rule *fires* with ``probability``, at most ``times`` times (``None``: no limit). With
-  ``per_key=False`` (the default) it draws once per call and fires for all the call's targeted keys;
-  with ``per_key=True`` each targeted key draws on its own and ``times`` counts keys.
-- When it fires: ``delay_s`` sleeps (``time.sleep``, which releases the GIL, as a native store does);
-  ``hang`` waits on a :class:`threading.Event` until it is set or ``max_hang_s`` passes (then
-  :class:`HangExpiredError` is raised, so a forgotten event fails a test instead of hanging it);
-  ``exception`` is raised before the inner backend is called (nothing is stored or read); ``code`` is
-  answered for the fired keys, which are *not* passed to the inner backend, so their bytes are never
-  touched, while the other keys go through. On ``exists`` a fired key answers ``False``.
-- Every rule is consulted for every call, in order: delays add up, the first exception wins, and a
-  key gets the code of the first rule that fired on it.
-
-Random draws come from one ``random.Random(seed)``, so a run is reproducible for a given order of
-calls (with several executor threads that order can vary; use ``probability=1.0`` with ``keys`` or
-``times`` where a test needs exact faults). Rules whose probability is 1 consume no randomness.
-
-:class:`BlockingBackend` is the common special case: every call of one op blocks until ``release()``.
-"""
+"""The fault-injecting backend wrapper: applies :class:`~aiokv.testing.FaultRule`\\ s, lets a test hold
+and release calls and see them enter, and records every call (see :mod:`aiokv.testing`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-import math
 import random
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections import Counter
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .backends.base import Backend, Regions
-from .errors import BackendError
+from ..backends.base import Backend, Regions
+from ..errors import BackendError
+from .records import Call, region_copy, region_stats, thread_name
+from .rules import DATA_OPS, FaultRule, HangExpiredError
 
-logger = logging.getLogger("aiokv")
+logger = logging.getLogger("aiokv.testing")
 
-__all__ = [
-    "BlockingBackend",
-    "Call",
-    "FaultInjectingBackend",
-    "FaultRule",
-    "HangExpiredError",
-    "InjectedFault",
-]
+__all__ = ["OPS", "BlockingBackend", "FaultInjectingBackend"]
 
-DATA_OPS = ("exists", "put", "get")
-_RULE_OPS = frozenset({*DATA_OPS, "register", "*"})
-
-KeySelector = Collection[str] | Callable[[str], bool] | None
-
-
-class InjectedFault(BackendError):
-    """The default exception of a rule that names an exception class without arguments."""
-
-
-class HangExpiredError(TimeoutError):
-    """A hang rule's event was not set within ``max_hang_s``: the test forgot to release it."""
-
-
-@dataclass(frozen=True, eq=False, slots=True)
-class FaultRule:
-    """One fault: which calls and keys it targets, how often it fires, and what it does.
-
-    Rules compare by identity, so two equal-looking rules keep separate ``times`` budgets.
-    """
-
-    op: str = "*"
-    keys: KeySelector = None
-    probability: float = 1.0
-    code: int | None = None
-    exception: BaseException | type[BaseException] | None = None
-    delay_s: float = 0.0
-    hang: threading.Event | None = None
-    max_hang_s: float = 30.0
-    times: int | None = None
-    per_key: bool = False
-    _match: Callable[[str], bool] | None = field(default=None, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        if self.op not in _RULE_OPS:
-            raise ValueError(f"op must be one of {sorted(_RULE_OPS)}, got {self.op!r}")
-        if isinstance(self.probability, bool) or not isinstance(self.probability, (int, float)):
-            raise TypeError(f"probability must be a number, got {self.probability!r}")
-        if not 0.0 <= self.probability <= 1.0:  # also refuses NaN
-            raise ValueError(f"probability must be within [0, 1], got {self.probability!r}")
-        if self.code is not None:
-            if isinstance(self.code, bool) or not isinstance(self.code, int) or self.code >= 0:
-                raise ValueError(f"code must be a negative int status code, got {self.code!r}")
-            if self.op == "register":
-                raise ValueError("register_buffer answers no code: use exception= for op='register'")
-        if self.exception is not None and not (
-            isinstance(self.exception, BaseException)
-            or (isinstance(self.exception, type) and issubclass(self.exception, BaseException))
-        ):
-            raise TypeError(f"exception must be an exception instance or class, got {self.exception!r}")
-        if self.code is not None and self.exception is not None:
-            raise ValueError("give code or exception, not both")
-        if (
-            isinstance(self.delay_s, bool)
-            or not isinstance(self.delay_s, (int, float))
-            or not 0.0 <= self.delay_s < math.inf
-        ):
-            raise ValueError(f"delay_s must be a finite number >= 0, got {self.delay_s!r}")
-        if self.hang is not None and not isinstance(self.hang, threading.Event):
-            raise TypeError(f"hang must be a threading.Event, got {type(self.hang).__name__}")
-        if (
-            isinstance(self.max_hang_s, bool)
-            or not isinstance(self.max_hang_s, (int, float))
-            or not 0.0 < self.max_hang_s < math.inf
-        ):
-            raise ValueError(f"max_hang_s must be a finite number > 0, got {self.max_hang_s!r}")
-        if self.times is not None and (
-            isinstance(self.times, bool) or not isinstance(self.times, int) or self.times < 0
-        ):
-            raise ValueError(f"times must be None or an int >= 0, got {self.times!r}")
-        if self.code is None and self.exception is None and not self.delay_s and self.hang is None:
-            raise ValueError("a FaultRule needs at least one of code, exception, delay_s or hang")
-        object.__setattr__(self, "_match", _key_matcher(self.keys, self.op))
-
-    def applies_to(self, op: str) -> bool:
-        return self.op == op or (self.op == "*" and op in DATA_OPS)
-
-    def targets(self, key: str) -> bool:
-        return self._match is None or self._match(key)
-
-    def make_exception(self, op: str) -> BaseException:
-        exc = self.exception
-        if isinstance(exc, BaseException):
-            return exc
-        if exc is None or exc is InjectedFault:
-            return InjectedFault(f"injected fault in {op}")
-        return exc(f"injected fault in {op}")
-
-
-def _key_matcher(keys: KeySelector, op: str) -> Callable[[str], bool] | None:
-    if keys is None:
-        return None
-    if op == "register":
-        raise ValueError("op='register' has no keys: leave keys=None")
-    if isinstance(keys, (str, bytes)):
-        raise TypeError("keys must be a collection of keys or a predicate, not a single string")
-    if callable(keys):
-        return keys
-    if isinstance(keys, Collection):
-        wanted = frozenset(keys)
-        return wanted.__contains__
-    raise TypeError(f"keys must be None, a collection of keys or a predicate, got {type(keys).__name__}")
-
-
-@dataclass(frozen=True, slots=True)
-class Call:
-    """One call the wrapper saw, recorded when it returned or raised.
-
-    ``keys``, ``region_counts`` and ``nbytes`` describe the call as made (per key: regions and total
-    bytes); ``sent`` the keys passed on to the inner backend (none when an injected exception came
-    first); ``faulted`` the keys answered by an injected code; ``result`` what the caller got (1/0
-    for ``exists``; ``None`` when the call raised, and for ``register``); ``error`` what it raised.
-    """
-
-    op: str
-    keys: tuple[str, ...]
-    region_counts: tuple[int, ...]
-    nbytes: tuple[int, ...]
-    sent: tuple[str, ...] = ()
-    faulted: tuple[str, ...] = ()
-    result: tuple[int, ...] | None = None
-    error: BaseException | None = None
-    thread: str = ""
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.nbytes)
+OPS = ("register", "unregister", "exists", "put", "get", "close")
+"""The op names of every call the wrapper records (``batch_put`` is ``"put"``, and so on)."""
 
 
 @dataclass(slots=True)
@@ -216,6 +39,9 @@ class _Plan:
 
 class FaultInjectingBackend:
     """Wraps ``inner`` (any :class:`~aiokv.Backend`), injecting ``rules`` and recording every call.
+
+    Besides rules, a test can :meth:`block` an op (its calls wait, once entered, until :meth:`release`),
+    wait for a call to start (:meth:`entered`, :meth:`count`) and make calls :meth:`fail`.
 
     Thread-safe: the worker calls it from several executor threads at once.
     """
@@ -231,6 +57,9 @@ class FaultInjectingBackend:
         self._rules: list[FaultRule] = []
         self._fired: dict[int, int] = {}
         self._calls: list[Call] = []
+        self._started: Counter[str] = Counter()
+        self._entered = {op: threading.Event() for op in OPS}
+        self._gates: dict[str, tuple[threading.Event, FaultRule]] = {}
         self._hanging = 0
         self._in_flight = 0
         for rule in rules:
@@ -264,6 +93,54 @@ class FaultInjectingBackend:
         with self._lock:
             return self._fired.get(id(rule), 0)
 
+    def fail(self, op: str, exception: BaseException | type[BaseException], times: int = 1) -> FaultRule:
+        """The next ``times`` calls of ``op`` raise ``exception`` without reaching the inner backend."""
+        return self.add_rule(FaultRule(op=op, exception=exception, times=times))
+
+    # -- holding calls --------------------------------------------------------------------------
+
+    def block(self, op: str, max_wait_s: float = 30.0) -> threading.Event:
+        """Make calls of ``op`` wait, once entered, until :meth:`release` (``max_wait_s`` at most, then
+        they raise :class:`HangExpiredError`); clears :meth:`entered`. Returns the gate."""
+        self.release(op)
+        gate = threading.Event()
+        rule = FaultRule(op=op, hang=gate, max_hang_s=max_wait_s)
+        with self._lock:
+            self._entered[op].clear()
+            self._gates[op] = (gate, rule)
+        self.add_rule(rule)
+        return gate
+
+    @contextlib.contextmanager
+    def blocked(self, op: str) -> Iterator[threading.Event]:
+        """:meth:`block` for the ``with`` body, released on exit, also when the body fails (so a failing
+        test leaves no executor thread waiting). The body may :meth:`release` earlier."""
+        gate = self.block(op)
+        try:
+            yield gate
+        finally:
+            self.release(op)
+
+    def release(self, op: str | None = None) -> None:
+        """Let held calls of ``op`` (of every op when None) go on; later calls no longer wait."""
+        with self._lock:
+            names = [op] if op is not None else list(self._gates)
+            held = [self._gates.pop(name) for name in names if name in self._gates]
+        for gate, rule in held:
+            gate.set()
+            self.remove_rule(rule)
+
+    def entered(self, op: str) -> threading.Event:
+        """Set as soon as a call of ``op`` starts (since the last :meth:`block` of ``op``)."""
+        if op not in self._entered:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        return self._entered[op]
+
+    def count(self, *ops: str) -> int:
+        """Calls of ``ops`` (of every op when none given) that have started, returned or not."""
+        with self._lock:
+            return sum(self._started[op] for op in ops) if ops else sum(self._started.values())
+
     # -- records --------------------------------------------------------------------------------
 
     @property
@@ -280,13 +157,32 @@ class FaultInjectingBackend:
         """Keys passed on to the inner backend by every ``op`` call, in order (repeats kept)."""
         return [key for call in self.calls_of(op) for key in call.sent]
 
+    def keys_seen(self, *ops: str) -> list[str]:
+        """Keys of every returned call of ``ops`` (of every op when none given), as asked, repeats kept."""
+        calls = self.calls_of(*ops) if ops else self.calls
+        return [key for call in calls for key in call.keys]
+
+    def threads_seen(self, *ops: str) -> set[str]:
+        """Names of the threads that made the returned calls of ``ops`` (of every op when none given)."""
+        return {call.thread for call in (self.calls_of(*ops) if ops else self.calls)}
+
+    def registered(self) -> list[tuple[int, int]]:
+        """``(addr, size)`` of every successful ``register_buffer`` call, in order."""
+        spans = []
+        for call in self.calls_of("register"):
+            if call.error is None and call.addrs is not None and call.sizes is not None:
+                spans.append((int(call.addrs[0, 0]), int(call.sizes[0, 0])))
+        return spans
+
     def data_calls(self) -> list[Call]:
         """Calls of ``batch_exists``, ``batch_put`` and ``batch_get``."""
         return self.calls_of(*DATA_OPS)
 
     def clear_calls(self) -> None:
+        """Forget every record and :meth:`count` so far."""
         with self._lock:
             self._calls.clear()
+            self._started.clear()
 
     @property
     def hanging(self) -> int:
@@ -314,23 +210,26 @@ class FaultInjectingBackend:
 
     def register_buffer(self, addr: int, size: int) -> None:
         counts, nbytes = (1,), (size if isinstance(size, int) else -1,)
+        regions = {"addrs": region_copy([[addr]]), "sizes": region_copy([[size]])}
+        self._start("register")
         plan = self._draw("register", None)
-        with self._entered():
+        with self._inside():
             try:
                 self._delay_and_hang(plan, "register")
                 if plan.exception is not None:
                     raise plan.exception
                 self.inner.register_buffer(addr, size)
             except BaseException as exc:
-                self._record(Call("register", (), counts, nbytes, error=exc, thread=_thread()))
+                self._record(Call("register", (), counts, nbytes, error=exc, thread=thread_name(), **regions))
                 raise
-        self._record(Call("register", (), counts, nbytes, thread=_thread()))
+        self._record(Call("register", (), counts, nbytes, thread=thread_name(), **regions))
 
     def unregister_buffer(self, addr: int) -> None:
+        self._start("unregister")
         unregister = getattr(self.inner, "unregister_buffer", None)
         if callable(unregister):
             unregister(addr)
-        self._record(Call("unregister", (), (), (), thread=_thread()))
+        self._record(Call("unregister", (), (), (), thread=thread_name(), addrs=region_copy([[addr]])))
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         answer = self._data_call("exists", keys, None, None)
@@ -343,7 +242,8 @@ class FaultInjectingBackend:
         return self._data_call("get", keys, addrs, sizes)
 
     def close(self) -> None:
-        self._record(Call("close", (), (), (), thread=_thread()))
+        self._start("close")
+        self._record(Call("close", (), (), (), thread=thread_name()))
         self.inner.close()
 
     def __getattr__(self, name: str) -> Any:
@@ -362,29 +262,30 @@ class FaultInjectingBackend:
     # -- internals ------------------------------------------------------------------------------
 
     def _data_call(self, op: str, keys: Sequence[str], addrs: Regions | None, sizes: Regions | None) -> Any:
+        self._start(op)
         if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
             # Not a list of keys: no rule can target it; the inner backend refuses it.
             return self._passthrough(op, keys, addrs, sizes)
         key_list = list(keys)
-        counts, nbytes = _region_stats(sizes)
+        counts, nbytes = region_stats(sizes)
+        regions = {"addrs": region_copy(addrs), "sizes": region_copy(sizes)}
+        made = (op, tuple(key_list), counts, nbytes)
         plan = self._draw(op, key_list)
         faulted = tuple(key_list[i] for i in sorted(plan.codes))
-        with self._entered():
+        with self._inside():
             try:
                 self._delay_and_hang(plan, op)
                 if plan.exception is not None:
                     raise plan.exception
             except BaseException as exc:
-                self._record(Call(op, tuple(key_list), counts, nbytes, error=exc, thread=_thread()))
+                self._record(Call(*made, error=exc, thread=thread_name(), **regions))
                 raise
             sent_index = [i for i in range(len(key_list)) if i not in plan.codes]
             sent = tuple(key_list[i] for i in sent_index)
             try:
                 answer = self._call_inner(op, key_list, addrs, sizes, sent_index)
             except BaseException as exc:
-                self._record(
-                    Call(op, tuple(key_list), counts, nbytes, sent, faulted, error=exc, thread=_thread())
-                )
+                self._record(Call(*made, sent, faulted, error=exc, thread=thread_name(), **regions))
                 raise
         merged: list[Any] = [None] * len(key_list)
         for i, code in plan.codes.items():
@@ -392,7 +293,7 @@ class FaultInjectingBackend:
         for i, value in zip(sent_index, answer, strict=True):
             merged[i] = value
         result = tuple(int(v) for v in merged)
-        self._record(Call(op, tuple(key_list), counts, nbytes, sent, faulted, result, thread=_thread()))
+        self._record(Call(*made, sent, faulted, result, thread=thread_name(), **regions))
         return merged
 
     def _call_inner(
@@ -419,7 +320,7 @@ class FaultInjectingBackend:
         return answer
 
     def _passthrough(self, op: str, keys: Any, addrs: Any, sizes: Any) -> Any:
-        with self._entered():
+        with self._inside():
             try:
                 if op == "exists":
                     answer = list(self.inner.batch_exists(keys))
@@ -428,9 +329,9 @@ class FaultInjectingBackend:
                 else:
                     answer = list(self.inner.batch_get(keys, addrs, sizes))
             except BaseException as exc:
-                self._record(Call(op, (), (), (), error=exc, thread=_thread()))
+                self._record(Call(op, (), (), (), error=exc, thread=thread_name()))
                 raise
-        self._record(Call(op, (), (), (), result=tuple(int(v) for v in answer), thread=_thread()))
+        self._record(Call(op, (), (), (), result=tuple(int(v) for v in answer), thread=thread_name()))
         return answer
 
     def _draw(self, op: str, keys: list[str] | None) -> _Plan:
@@ -445,10 +346,10 @@ class FaultInjectingBackend:
                     continue
                 if keys is None:
                     targeted: list[int] = []
-                elif rule._match is None:
+                elif rule.keys is None:
                     targeted = list(range(len(keys)))
                 else:
-                    targeted = [i for i, key in enumerate(keys) if rule._match(key)]
+                    targeted = [i for i, key in enumerate(keys) if rule.targets(key)]
                 if keys is not None and not targeted:
                     continue
                 if rule.per_key and keys is not None:
@@ -502,27 +403,24 @@ class FaultInjectingBackend:
                 logger.error("aiokv.testing: a hung %s was never released (%.1f s)", op, max_wait)
                 raise HangExpiredError(f"{op} hung for {max_wait} s and was never released")
 
-    def _entered(self) -> _InFlight:
-        return _InFlight(self)
+    def _start(self, op: str) -> None:
+        with self._lock:
+            self._started[op] += 1
+        self._entered[op].set()
+
+    @contextlib.contextmanager
+    def _inside(self) -> Iterator[None]:
+        with self._lock:
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight -= 1
 
     def _record(self, call: Call) -> None:
         with self._lock:
             self._calls.append(call)
-
-
-class _InFlight:
-    __slots__ = ("_backend",)
-
-    def __init__(self, backend: FaultInjectingBackend) -> None:
-        self._backend = backend
-
-    def __enter__(self) -> None:
-        with self._backend._lock:
-            self._backend._in_flight += 1
-
-    def __exit__(self, *exc_info: object) -> None:
-        with self._backend._lock:
-            self._backend._in_flight -= 1
 
 
 class BlockingBackend(FaultInjectingBackend):
@@ -539,28 +437,15 @@ class BlockingBackend(FaultInjectingBackend):
             self.gate.set()
         super().__init__(inner, rules=[FaultRule(op=op, hang=self.gate, max_hang_s=max_wait_s)])
 
-    def release(self) -> None:
+    def release(self, op: str | None = None) -> None:
         self.gate.set()
+        super().release(op)
 
-    def block(self) -> None:
+    def block(self, op: str | None = None, max_wait_s: float = 30.0) -> threading.Event:
+        if op is not None:
+            return super().block(op, max_wait_s)
         self.gate.clear()
-
-
-def _thread() -> str:
-    return threading.current_thread().name
-
-
-def _region_stats(sizes: Regions | None) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Per key: number of regions and total bytes (empty when the arguments are malformed)."""
-    if sizes is None:
-        return (), ()
-    try:
-        if isinstance(sizes, np.ndarray) and sizes.ndim == 2:
-            totals = sizes.sum(axis=1, dtype=np.int64).tolist()
-            return (int(sizes.shape[1]),) * int(sizes.shape[0]), tuple(int(t) for t in totals)
-        return tuple(len(row) for row in sizes), tuple(int(sum(row)) for row in sizes)
-    except (TypeError, ValueError, OverflowError):
-        return (), ()
+        return self.gate
 
 
 def _select(regions: Regions | None, index: list[int]) -> Any:
