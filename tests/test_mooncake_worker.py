@@ -28,18 +28,20 @@ from aiokv import (
 from aiokv.backends.base import NO_SPACE, NOT_FOUND
 from aiokv.backends.mooncake import MooncakeBackend
 from aiokv.backends.mooncake_master import MooncakeMaster
-
-from .helpers import (
+from aiokv.testing import (
     SENTINEL,
-    TWO_GROUP_SPECS,
-    TWO_GROUPS_CHUNK_TOKENS,
-    ControlledBackend,
+    FaultInjectingBackend,
     PagedCache,
     chunk_block_ids,
-    chunk_keys,
     chunk_value,
-    read_value,
     same_blocks,
+)
+
+from .helpers import (
+    TWO_GROUP_SPECS,
+    TWO_GROUPS_CHUNK_TOKENS,
+    chunk_keys,
+    read_value,
     scattered_block_ids,
     wait_until,
 )
@@ -373,7 +375,7 @@ async def test_master_killed_fails_every_pending_future_and_the_worker_closes(
     backend = mooncake_backend_factory(master.address, global_segment_size=0)
     # The real backend behind a gate: it holds a put and a get at the door of Mooncake while the
     # master dies, so that calls already past the exists check are covered, deterministically.
-    gated = ControlledBackend(inner=backend)
+    gated = FaultInjectingBackend(backend)
     ns = namespace()
     stored = [prompt(30 + i, 3) for i in range(3)]
     writer = make_worker(src, gated, ns)
@@ -386,13 +388,13 @@ async def test_master_killed_fails_every_pending_future_and_the_worker_closes(
         before = await reader.load(stored[0], scattered(dst, 3, seed=50))
         assert before.loaded_tokens == 3 * C  # the store works across processes before the crash
 
-        gets_before, puts_before = gated.calls["batch_get"], gated.calls["batch_put"]
-        gated.block("batch_get")
+        gets_before, puts_before = gated.count("get"), gated.count("put")
+        gated.block("get")
         in_get = reader.load(stored[1], scattered(dst, 3, seed=51))
-        await wait_until(gated.entered("batch_get").is_set)
-        gated.block("batch_put")
+        await wait_until(gated.entered("get").is_set)
+        gated.block("put")
         in_put = writer.store(prompt(60, 2), scattered(src, 2, seed=61))
-        await wait_until(gated.entered("batch_put").is_set)
+        await wait_until(gated.entered("put").is_set)
         # Queued behind them, and some that reach the dispatcher after the crash.
         queued: list[Any] = [
             reader.load(stored[2], scattered(dst, 3, seed=52)),
@@ -425,8 +427,8 @@ async def test_master_killed_fails_every_pending_future_and_the_worker_closes(
         assert writer.stats()["requests_failed"]["store"] == 4
         assert reader.stats()["requests_failed"]["load"] == 3
         # The gated put and get calls went on into Mooncake after the crash, and each one raised.
-        assert writer.stats()["backend_exceptions"]["put"] == gated.calls["batch_put"] - puts_before > 0
-        assert reader.stats()["backend_exceptions"]["get"] == gated.calls["batch_get"] - gets_before > 0
+        assert writer.stats()["backend_exceptions"]["put"] == gated.count("put") - puts_before > 0
+        assert reader.stats()["backend_exceptions"]["get"] == gated.count("get") - gets_before > 0
     finally:
         gated.release()
         await asyncio.wait_for(asyncio.gather(writer.close(), reader.close()), HANG_GUARD_S)

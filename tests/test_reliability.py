@@ -28,8 +28,8 @@ from aiokv import (
     WorkerClosedError,
 )
 from aiokv.backends.base import INVALID, NO_SPACE, NOT_FOUND, TRANSFER_FAILED, UNAVAILABLE
-from aiokv.testing import FaultInjectingBackend, FaultRule
-from tests.helpers import SENTINEL, PagedCache, aiokv_threads, chunk_keys, chunk_value, read_value, wait_until
+from aiokv.testing import SENTINEL, FaultInjectingBackend, FaultRule, PagedCache, chunk_value
+from tests.helpers import aiokv_threads, chunk_keys, read_value, wait_until
 
 CHUNK = 8
 NAMESPACE = "reliability-model"
