@@ -1,8 +1,9 @@
 """KVWorker on MemoryBackend: real bytes through two KV-cache groups, dedupe, lookup and load semantics,
-one prepare_values per group per cycle, cancellation, deadlines, bad input, backend faults, lifecycle.
+one prepare_values per group per cycle, bad input, backend faults, starting and terminating early
+(cancellation, deadlines, close and terminate with work pending: test_lifecycle.py).
 
 Backend behaviour that a test must control (a call that blocks, a call that raises) comes from
-``FaultInjectingBackend``, which delegates to a real MemoryBackend.
+aiokv.testing's ``FaultInjectingBackend``, which delegates to a real MemoryBackend.
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ from aiokv import (
     LoadResult,
     MemoryBackend,
     StoreResult,
-    TransferFuture,
-    TransferTimeoutError,
     WorkerClosedError,
 )
 from aiokv.backends.base import NO_SPACE, NOT_FOUND
@@ -379,153 +378,6 @@ async def test_prepare_values_is_called_once_per_group_per_cycle(
         assert_loaded(src, src_ids[r], dst, dst_ids[r], chunks)
 
 
-# -- cancellation ---------------------------------------------------------------------------------------
-
-
-@pytest.mark.asyncio
-async def test_cancel_of_a_queued_request_is_immediate_and_reaches_no_backend(
-    src: PagedCache, backend: FaultInjectingBackend
-) -> None:
-    cancelled_tokens, other = prompt(20, 3), prompt(21, 3)
-    async with make_worker(src, backend) as worker:
-        store = worker.store(cancelled_tokens, consecutive(3))
-        load = worker.load(cancelled_tokens, consecutive(3, start=12))
-        assert isinstance(store, TransferFuture) and store.request_id != load.request_id
-        for future in (store, load):
-            assert future.cancel() is True
-            assert future.done() and future.cancelled()
-            assert future.cancel() is False
-            with pytest.raises(asyncio.CancelledError):
-                future.result()
-        with pytest.raises(asyncio.CancelledError):
-            await store
-        result = await worker.store(other, consecutive(3))
-        assert worker.stats()["requests_cancelled"] == {"store": 1, "load": 1}
-    assert result.stored == 3
-    assert set(backend.keys_seen()) == all_keys(other, src)  # nothing of the cancelled requests
-
-
-@pytest.mark.asyncio
-async def test_cancel_before_any_call_on_its_memory_is_immediate(
-    src: PagedCache, backend: FaultInjectingBackend
-) -> None:
-    """batch_exists touches no caller memory: a request cancelled during it finishes at once."""
-    tokens = prompt(22, 3)
-    async with make_worker(src, backend) as worker:
-        with backend.blocked("exists"):
-            future = worker.store(tokens, consecutive(3))
-            await wait_until(backend.entered("exists").is_set)
-            assert future.cancel() is True
-            assert future.done() and future.cancelled()
-            backend.release()
-        after = await worker.store(prompt(23, 1), consecutive(1))
-    assert after.stored == 1
-    assert not set(backend.keys_seen("put")) & all_keys(tokens, src)
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("op", ["put", "get"])
-async def test_cancel_inside_a_backend_call_completes_only_when_the_call_returns(
-    src: PagedCache, dst: PagedCache, backend: FaultInjectingBackend, op: str
-) -> None:
-    tokens = prompt(24, 3)
-    async with make_worker(src, backend) as source, make_worker(dst, backend) as target:
-        if op == "get":
-            await source.store(tokens, consecutive(3))
-        with backend.blocked(op):
-            future = (
-                source.store(tokens, consecutive(3)) if op == "put" else target.load(tokens, consecutive(3))
-            )
-            await wait_until(backend.entered(op).is_set)
-            assert future.cancel() is True
-            await yield_loop()
-            await asyncio.sleep(0.02)
-            assert not future.done() and not future.cancelled()  # the backend still holds its memory
-            backend.release()
-        await wait_until(future.done)
-        assert future.cancelled()
-        with pytest.raises(asyncio.CancelledError):
-            await future
-        kind = "store" if op == "put" else "load"
-        assert (
-            source.stats()["requests_cancelled"].get(kind, 0)
-            + target.stats()["requests_cancelled"].get(kind, 0)
-            == 1
-        )
-        # The worker keeps serving.
-        again = await source.store(prompt(25, 2), consecutive(2, start=20))
-    assert again.stored == 2
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("op", ["put", "get"])
-async def test_wait_for_timeout_does_not_stop_the_transfer(
-    src: PagedCache, dst: PagedCache, backend: FaultInjectingBackend, op: str
-) -> None:
-    tokens = prompt(26, 3)
-    src_ids, dst_ids = scattered(src, 3, seed=27), scattered(dst, 3, seed=28)
-    async with make_worker(src, backend) as source, make_worker(dst, backend) as target:
-        if op == "get":
-            await source.store(tokens, src_ids)
-        with backend.blocked(op):
-            future = source.store(tokens, src_ids) if op == "put" else target.load(tokens, dst_ids)
-            await wait_until(backend.entered(op).is_set)
-            with pytest.raises(TimeoutError):
-                await asyncio.wait_for(future, 0.02)
-            assert not future.done() and not future.cancelled()
-            backend.release()
-        result = await future
-        if op == "put":
-            assert (result.stored, result.failed) == (3, 0)
-            assert await target.lookup(tokens) == 3 * C
-        else:
-            assert result.loaded_tokens == 3 * C
-            assert_loaded(src, src_ids, dst, dst_ids, 3)
-
-
-# -- deadlines ------------------------------------------------------------------------------------------
-
-
-@pytest.mark.asyncio
-async def test_deadline_of_a_queued_request_fails_it_at_once(
-    src: PagedCache, backend: FaultInjectingBackend
-) -> None:
-    first, late = prompt(30, 2), prompt(31, 2)
-    async with make_worker(src, backend, max_concurrent_batches=1) as worker:
-        with backend.blocked("put"):
-            running = worker.store(first, consecutive(2))
-            await wait_until(backend.entered("put").is_set)
-            queued = worker.store(late, consecutive(2, start=16), timeout=0.05)
-            await wait_until(queued.done)  # while the first request is still blocked in the backend
-            assert not running.done()
-            error = queued.exception()
-            assert isinstance(error, TransferTimeoutError) and isinstance(error, TimeoutError)
-            with pytest.raises(TransferTimeoutError):
-                await queued
-            backend.release()
-        assert (await running).stored == 2
-        assert await worker.lookup(late) == 0
-        assert worker.stats()["requests_failed"] == {"store": 1}
-    assert not set(backend.keys_seen("put")) & all_keys(late, src)
-
-
-@pytest.mark.asyncio
-async def test_deadline_inside_a_backend_call_fails_only_after_the_call(
-    src: PagedCache, backend: FaultInjectingBackend
-) -> None:
-    tokens = prompt(32, 2)
-    async with make_worker(src, backend) as worker:
-        with backend.blocked("put"):
-            future = worker.store(tokens, consecutive(2), timeout=0.5)
-            await wait_until(backend.entered("put").is_set)
-            await asyncio.sleep(0.5)  # the deadline has passed (it was set before the call began)
-            assert not future.done()
-            backend.release()
-        with pytest.raises(TransferTimeoutError):
-            await future
-        assert (await worker.store(prompt(33, 1), consecutive(1, start=30))).stored == 1
-
-
 # -- bad input ------------------------------------------------------------------------------------------
 
 
@@ -669,105 +521,6 @@ async def test_a_backend_exception_fails_only_its_batch_with_a_chained_aiokv_err
 
 
 # -- lifecycle ------------------------------------------------------------------------------------------
-
-
-@pytest.mark.asyncio
-async def test_graceful_close_finishes_every_pending_future(
-    src: PagedCache, dst: PagedCache, backend: FaultInjectingBackend
-) -> None:
-    prompts = [prompt(60 + i, 2) for i in range(5)]
-    worker = make_worker(src, backend)
-    await worker.start()
-    stores = [worker.store(t, consecutive(2, start=2 * i)) for i, t in enumerate(prompts)]
-    await worker.close()  # nothing awaited before
-    assert worker.closed
-    assert all(f.done() for f in stores)
-    assert [(f.result().stored, f.result().failed) for f in stores] == [(2, 0)] * 5
-    assert len(backend.inner) == 5 * 2 * len(SPECS)
-
-    # Also while a backend call is blocked: close waits for it, then every future is done.
-    worker = make_worker(dst, backend)
-    await worker.start()
-    with backend.blocked("get"):
-        loads = [worker.load(t, consecutive(2, start=8 * i)) for i, t in enumerate(prompts[:3])]
-        await wait_until(backend.entered("get").is_set)
-        more = worker.store(prompt(70, 1), consecutive(1, start=30))
-        closing = asyncio.create_task(worker.close())
-        await yield_loop()
-        await asyncio.sleep(0.02)
-        assert not closing.done() and not any(f.done() for f in loads)
-        with pytest.raises(WorkerClosedError):
-            worker.store(prompt(71, 1), consecutive(1))
-        backend.release()
-    await closing
-    assert [f.result().loaded_tokens for f in loads] == [2 * C] * 3
-    assert more.result().stored == 1
-    for i in range(3):
-        assert_loaded(src, consecutive(2, start=2 * i), dst, consecutive(2, start=8 * i), 2)
-
-
-@pytest.mark.asyncio
-async def test_close_with_a_timeout_still_waits_for_calls_in_flight(
-    src: PagedCache, backend: FaultInjectingBackend
-) -> None:
-    before = aiokv_threads()
-    tokens = prompt(72, 2)
-    worker = make_worker(src, backend, max_concurrent_batches=1)
-    await worker.start()
-    with backend.blocked("put"):
-        running = worker.store(tokens, consecutive(2))
-        await wait_until(lambda: backend.count("put") == len(SPECS))  # both groups' calls are inside
-        queued = worker.store(prompt(73, 2), consecutive(2, start=20))
-        closing = asyncio.create_task(worker.close(timeout=0.05))
-        await wait_until(queued.done)  # the timeout passed: queued work was failed
-        assert isinstance(queued.exception(), WorkerClosedError)
-        await yield_loop()
-        assert not running.done() and not closing.done()
-        backend.release()
-    await closing
-    assert running.result().stored == 2  # its calls ran to the end
-    assert asyncio.all_tasks() == {asyncio.current_task()}
-    assert not aiokv_threads() - before
-
-
-@pytest.mark.asyncio
-async def test_terminate_fails_queued_work_and_leaves_no_task_or_thread(
-    src: PagedCache, backend: FaultInjectingBackend
-) -> None:
-    before = aiokv_threads()
-    tokens, queued_tokens = prompt(80, 2), prompt(81, 2)
-    # One executor thread: the second group's put waits in the executor behind the blocked first one.
-    worker = make_worker(src, backend, max_concurrent_batches=1, executor_threads=1)
-    await worker.start()
-    assert aiokv_threads() - before  # the worker's threads exist while it runs
-    with backend.blocked("put"):
-        running = worker.store(tokens, consecutive(2))
-        await wait_until(backend.entered("put").is_set)
-        queued = [
-            worker.store(queued_tokens, consecutive(2, start=20)),
-            worker.load(queued_tokens, consecutive(2)),
-        ]
-        # Lookups run on the control lane: answered although the only transfer thread is stuck.
-        assert await asyncio.wait_for(worker.lookup(prompt(82, 2)), 10) == 0
-
-        worker.terminate()
-        for future in queued:
-            assert future.done()
-            assert isinstance(future.exception(), WorkerClosedError)
-        with pytest.raises(WorkerClosedError):
-            await worker.lookup(queued_tokens)
-        with pytest.raises(WorkerClosedError):
-            worker.store(tokens, consecutive(2))
-        assert not running.done()  # its memory is in use until the blocked call returns
-        backend.release()
-    await worker.wait_closed()
-    # Finished, though one of its calls never ran: it fails, naming the termination.
-    assert running.done()
-    error = running.exception()
-    assert isinstance(error, WorkerClosedError) or isinstance(error.__cause__, WorkerClosedError)
-    assert asyncio.all_tasks() == {asyncio.current_task()}
-    assert not aiokv_threads() - before
-    assert not set(backend.keys_seen()) & all_keys(queued_tokens, src)
 
 
 @pytest.mark.asyncio
