@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from aiokv import KeyNamespace, KVLayout, MemoryBackend, chunk_hashes
-from aiokv.testing import FaultInjectingBackend
+from aiokv.testing import FaultInjectingBackend, PagedCache, same_blocks
 
 SAFETY_TIMEOUT_S = 30.0  # how long a wait may last before the test fails
 
@@ -92,3 +92,35 @@ TWO_GROUP_SPECS: list[dict[str, Any]] = [
     # Group 1: blocks of 32 tokens, 2 regions.
     {"num_regions": 2, "num_blocks": 48, "block_size": 32, "block_lens": 128},
 ]
+
+
+def blocks_per_chunk(cache: PagedCache) -> list[int]:
+    """Per group, the blocks one chunk of the two-group geometry spans."""
+    return [TWO_GROUPS_CHUNK_TOKENS // layout.block_size for layout in cache.layouts]
+
+
+def prompt(seed: int, chunks: int, extra: int = 0) -> list[int]:
+    """Token ids of ``chunks`` whole chunks of the two-group geometry plus ``extra`` tokens."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 32_000, size=chunks * TWO_GROUPS_CHUNK_TOKENS + extra).tolist()
+
+
+def scattered(cache: PagedCache, chunks: int, seed: int, extra_blocks: int = 0) -> list[np.ndarray]:
+    """Random distinct block ids per group: chunk 0 on consecutive blocks (one region per cache region
+    after coalescing), every other chunk on random, almost surely non-consecutive blocks."""
+    rng = np.random.default_rng(seed)
+    tables = []
+    for group, per in zip(cache.groups, blocks_per_chunk(cache), strict=True):
+        start = int(rng.integers(0, group.num_blocks - per))
+        first = np.arange(start, start + per, dtype=np.int64)
+        rest = scattered_block_ids(rng, group.num_blocks, (chunks - 1) * per + extra_blocks, exclude=first)
+        tables.append(np.concatenate([first, rest]))
+    return tables
+
+
+def assert_loaded(
+    src: PagedCache, src_ids: list[np.ndarray], dst: PagedCache, dst_ids: list[np.ndarray], n: int
+) -> None:
+    """Chunks ``[0, n)`` of ``dst_ids`` hold the bytes of the same chunks of ``src_ids``."""
+    for g, per in enumerate(blocks_per_chunk(src)):
+        assert same_blocks(src[g], src_ids[g][: n * per], dst[g], dst_ids[g][: n * per]), f"group {g}"

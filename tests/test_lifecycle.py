@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from typing import Any
 
 import pytest
 
-from aiokv import LoadResult, StoreResult, TransferFuture, TransferTimeoutError, WorkerClosedError
+from aiokv import KVWorker, LoadResult, StoreResult, TransferFuture, TransferTimeoutError, WorkerClosedError
 from aiokv.testing import FaultRule
 from tests.helpers import aiokv_threads, wait_until
 from tests.rig import CHUNK, SAFETY_S, Rig, loop_tasks
@@ -21,6 +22,29 @@ from tests.rig import CHUNK, SAFETY_S, Rig, loop_tasks
 
 def keys_seen(rig: Rig) -> set[str]:
     return {k for c in rig.backend.data_calls() for k in c.keys}
+
+
+class HeldTransfer:
+    """A two-chunk store (``kind="store"``) or load of a stored prompt, whose puts or gets hang until
+    ``release`` is set; ``src`` holds the prompt's bytes, ``dst`` the load's blocks."""
+
+    def __init__(self, rig: Rig, kind: str) -> None:
+        self.rig, self.kind = rig, kind
+        self.release = threading.Event()
+        self.tokens, self.src, self.dst = (
+            rig.prompt(2),
+            rig.blocks(2, source=True),
+            rig.blocks(2, source=False),
+        )
+        self.rule = FaultRule(op="put" if kind == "store" else "get", hang=self.release, max_hang_s=SAFETY_S)
+
+    async def start(self, worker: KVWorker) -> TransferFuture[Any]:
+        if self.kind == "load":
+            await worker.store(self.tokens, self.src)
+        self.rig.backend.add_rule(self.rule)
+        if self.kind == "store":
+            return worker.store(self.tokens, self.src)
+        return worker.load(self.tokens, self.dst)
 
 
 # -- cancellation -----------------------------------------------------------------------------------
@@ -74,15 +98,10 @@ async def test_cancel_during_the_existence_check_is_immediate_and_its_chunks_are
 @pytest.mark.parametrize("kind", ["store", "load"])
 async def test_cancel_inside_the_backend_call_is_done_only_after_the_call_returns(kind: str) -> None:
     rig = Rig(seed=16)
-    release = threading.Event()
-    tokens, src, dst = rig.prompt(2), rig.blocks(2, source=True), rig.blocks(2, source=False)
+    held = HeldTransfer(rig, kind)
+    tokens, src, dst, release = held.tokens, held.src, held.dst, held.release
     async with rig.worker() as worker:
-        if kind == "load":
-            await worker.store(tokens, src)
-        rule = rig.backend.add_rule(
-            FaultRule(op="put" if kind == "store" else "get", hang=release, max_hang_s=SAFETY_S)
-        )
-        fut = worker.store(tokens, src) if kind == "store" else worker.load(tokens, dst)
+        fut = await held.start(worker)
         try:
             await rig.backend.wait_hanging_async(2, timeout=SAFETY_S)
             assert fut.cancel() is True
@@ -97,7 +116,7 @@ async def test_cancel_inside_the_backend_call_is_done_only_after_the_call_return
         assert fut.done() and fut.cancelled()
         assert worker.stats()["requests_cancelled"] == {kind: 1}
         # The worker keeps serving.
-        rig.backend.remove_rule(rule)
+        rig.backend.remove_rule(held.rule)
         assert (await worker.store(rig.prompt(2), rig.blocks(2, source=True))).stored == 2
     # The call ran to completion: its bytes were moved in full.
     if kind == "store":
@@ -116,15 +135,10 @@ async def test_cancel_inside_the_backend_call_is_done_only_after_the_call_return
 @pytest.mark.parametrize("kind", ["store", "load"])
 async def test_wait_for_timing_out_does_not_cancel_the_transfer(kind: str) -> None:
     rig = Rig(seed=11)
-    release = threading.Event()
-    tokens, src, dst = rig.prompt(2), rig.blocks(2, source=True), rig.blocks(2, source=False)
+    held = HeldTransfer(rig, kind)
+    tokens, src, dst, release = held.tokens, held.src, held.dst, held.release
     async with rig.worker() as worker:
-        if kind == "load":
-            await worker.store(tokens, src)
-        rig.backend.add_rule(
-            FaultRule(op="put" if kind == "store" else "get", hang=release, max_hang_s=SAFETY_S)
-        )
-        fut = worker.store(tokens, src) if kind == "store" else worker.load(tokens, dst)
+        fut = await held.start(worker)
         try:
             await rig.backend.wait_hanging_async(1, timeout=SAFETY_S)
             with pytest.raises(TimeoutError):

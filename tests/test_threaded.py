@@ -19,7 +19,14 @@ import pytest
 from aiokv import StoreResult, SyncTransferFuture, ThreadedKVWorker, WorkerClosedError
 from aiokv.testing import FaultInjectingBackend, PagedCache, same_blocks
 
-from .helpers import SAFETY_TIMEOUT_S, aiokv_threads, chunk_keys, recording_backend, scattered_block_ids
+from .helpers import (
+    SAFETY_TIMEOUT_S,
+    aiokv_threads,
+    chunk_keys,
+    prompt,
+    recording_backend,
+    scattered_block_ids,
+)
 
 try:
     import uvloop
@@ -62,10 +69,6 @@ def make(
     return ThreadedKVWorker(
         cache.layouts, backend, namespace=NS, chunk_tokens=C, loop_factory=loop_factory, **options
     )
-
-
-def prompt(seed: int, chunks: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 32_000, size=chunks * C).tolist()
 
 
 def consecutive(chunks: int, start: int = 0) -> list[np.ndarray]:

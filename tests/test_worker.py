@@ -37,18 +37,19 @@ from aiokv.testing import (
     PagedCache,
     chunk_block_ids,
     chunk_value,
-    same_blocks,
 )
 
 from .helpers import (
     TWO_GROUP_SPECS,
     TWO_GROUPS_CHUNK_TOKENS,
     aiokv_threads,
+    assert_loaded,
     chunk_keys,
     covers,
+    prompt,
     read_value,
     recording_backend,
-    scattered_block_ids,
+    scattered,
     wait_until,
 )
 
@@ -82,27 +83,9 @@ def make_worker(cache: PagedCache, backend: FaultInjectingBackend, **options: An
     return KVWorker(cache.layouts, backend, namespace=NS, chunk_tokens=C, **options)
 
 
-def prompt(seed: int, chunks: int, extra: int = 0) -> list[int]:
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, 32_000, size=chunks * C + extra).tolist()
-
-
 def consecutive(chunks: int, start: int = 0) -> list[np.ndarray]:
     """Block tables whose chunks lie on consecutive physical blocks, from block ``start``."""
     return [np.arange(start, start + chunks * per, dtype=np.int64) for per in PER_CHUNK]
-
-
-def scattered(cache: PagedCache, chunks: int, seed: int, extra_blocks: int = 0) -> list[np.ndarray]:
-    """Random distinct block ids per group: chunk 0 on consecutive blocks, every other chunk scattered."""
-    rng = np.random.default_rng(seed)
-    tables = []
-    for g, per in enumerate(PER_CHUNK):
-        n = cache[g].num_blocks
-        start = int(rng.integers(0, n - per))
-        first = np.arange(start, start + per, dtype=np.int64)
-        rest = scattered_block_ids(rng, n, (chunks - 1) * per + extra_blocks, exclude=first.tolist())
-        tables.append(np.concatenate([first, rest]))
-    return tables
 
 
 def fragmented_chunks(ids: np.ndarray, per: int) -> int:
@@ -123,14 +106,6 @@ def chunk_bytes(cache: PagedCache) -> int:
     return sum(
         layout.chunk_bytes_per_block * per for layout, per in zip(cache.layouts, PER_CHUNK, strict=True)
     )
-
-
-def assert_loaded(
-    src: PagedCache, src_ids: list[np.ndarray], dst: PagedCache, dst_ids: list[np.ndarray], n: int
-):
-    """Chunks ``[0, n)`` of ``dst_ids`` hold the bytes of the same chunks of ``src_ids``."""
-    for g, per in enumerate(PER_CHUNK):
-        assert same_blocks(src[g], src_ids[g][: n * per], dst[g], dst_ids[g][: n * per]), f"group {g}"
 
 
 async def yield_loop(times: int = 20) -> None:
