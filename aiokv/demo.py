@@ -39,15 +39,17 @@ async def demo(
 ) -> bool:
     num_blocks = 2 * (tokens // block_size) + 16
     # One region per (layer, K/V), a block holding block_size x heads x head_dim float16 values.
-    geometry = {
-        "num_regions": 2 * layers,
-        "num_blocks": num_blocks,
-        "block_size": block_size,
-        "block_lens": block_size * heads * head_dim * 2,
-        "dtype": "float16",
-    }
-    prefill = GroupCache.allocate(**geometry, fill="random")
-    decode = GroupCache.allocate(**geometry, fill=0)
+    prefill, decode = (
+        GroupCache.allocate(
+            num_regions=2 * layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            block_lens=block_size * heads * head_dim * 2,
+            fill=fill,
+            dtype="float16",
+        )
+        for fill in ("random", 0)
+    )
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, 128_000, size=tokens + block_size // 2, dtype=np.int64)  # + a partial block
     needed = tokens // block_size

@@ -230,10 +230,10 @@ def open_backend(args: argparse.Namespace, geometry: Geometry, progress: Progres
             master = stack.enter_context(MooncakeMaster())
             address = master.address
             progress(f"mooncake: started mooncake_master pid {master.pid} on {address}")
-        backend = MooncakeBackend.from_master(address, global_segment_size=capacity)
-        stack.callback(backend.close)
+        mooncake = MooncakeBackend.from_master(address, global_segment_size=capacity)
+        stack.callback(mooncake.close)
         progress(f"mooncake: client connected to {address}, segment {capacity / 2**20:.0f} MiB")
-        yield backend
+        yield mooncake
     progress("mooncake: client closed" + ("" if args.master else ", master stopped"))
 
 

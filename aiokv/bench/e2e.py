@@ -45,6 +45,7 @@ from .loop_lag import measure_loop_lag
 logger = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
+Run = tuple[list[float], float, float]  # one measured run: loop lags (ms), CPU s, wall s
 
 _VOCAB = 128_000
 
@@ -235,7 +236,8 @@ class _Bench:
         return 2 * self.g.prompt_bytes
 
     async def stores(self, worker: KVWorker, concurrency: int) -> dict[str, PathFigures]:
-        worker_runs, direct_runs = [], []
+        worker_runs: list[Run] = []
+        direct_runs: list[Run] = []
         for r in range(self.rounds + 1):
             requests = [self.prepared(self.cache.source_ids) for _ in range(concurrency)]
             keys = [k for req in requests for k in req.keys]
@@ -271,7 +273,8 @@ class _Bench:
         async def direct() -> None:
             await asyncio.gather(*(self.in_thread(self.direct_get, req) for req in requests))
 
-        worker_runs, direct_runs = [], []
+        worker_runs: list[Run] = []
+        direct_runs: list[Run] = []
         for r in range(self.rounds + 1):
             for path in ("worker", "direct") if r % 2 == 0 else ("direct", "worker"):
                 run = await measure_loop_lag(through_worker if path == "worker" else direct)

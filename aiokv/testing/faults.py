@@ -210,7 +210,7 @@ class FaultInjectingBackend:
 
     def register_buffer(self, addr: int, size: int) -> None:
         counts, nbytes = (1,), (size if isinstance(size, int) else -1,)
-        regions = {"addrs": region_copy([[addr]]), "sizes": region_copy([[size]])}
+        table = (region_copy([[addr]]), region_copy([[size]]))
         self._start("register")
         plan = self._draw("register", None)
         with self._inside():
@@ -220,9 +220,22 @@ class FaultInjectingBackend:
                     raise plan.exception
                 self.inner.register_buffer(addr, size)
             except BaseException as exc:
-                self._record(Call("register", (), counts, nbytes, error=exc, thread=thread_name(), **regions))
+                self._record(
+                    Call(
+                        "register",
+                        (),
+                        counts,
+                        nbytes,
+                        error=exc,
+                        thread=thread_name(),
+                        addrs=table[0],
+                        sizes=table[1],
+                    )
+                )
                 raise
-        self._record(Call("register", (), counts, nbytes, thread=thread_name(), **regions))
+        self._record(
+            Call("register", (), counts, nbytes, thread=thread_name(), addrs=table[0], sizes=table[1])
+        )
 
     def unregister_buffer(self, addr: int) -> None:
         self._start("unregister")
@@ -268,7 +281,7 @@ class FaultInjectingBackend:
             return self._passthrough(op, keys, addrs, sizes)
         key_list = list(keys)
         counts, nbytes = region_stats(sizes)
-        regions = {"addrs": region_copy(addrs), "sizes": region_copy(sizes)}
+        table = (region_copy(addrs), region_copy(sizes))
         made = (op, tuple(key_list), counts, nbytes)
         plan = self._draw(op, key_list)
         faulted = tuple(key_list[i] for i in sorted(plan.codes))
@@ -278,14 +291,18 @@ class FaultInjectingBackend:
                 if plan.exception is not None:
                     raise plan.exception
             except BaseException as exc:
-                self._record(Call(*made, error=exc, thread=thread_name(), **regions))
+                self._record(Call(*made, error=exc, thread=thread_name(), addrs=table[0], sizes=table[1]))
                 raise
             sent_index = [i for i in range(len(key_list)) if i not in plan.codes]
             sent = tuple(key_list[i] for i in sent_index)
             try:
                 answer = self._call_inner(op, key_list, addrs, sizes, sent_index)
             except BaseException as exc:
-                self._record(Call(*made, sent, faulted, error=exc, thread=thread_name(), **regions))
+                self._record(
+                    Call(
+                        *made, sent, faulted, error=exc, thread=thread_name(), addrs=table[0], sizes=table[1]
+                    )
+                )
                 raise
         merged: list[Any] = [None] * len(key_list)
         for i, code in plan.codes.items():
@@ -293,7 +310,7 @@ class FaultInjectingBackend:
         for i, value in zip(sent_index, answer, strict=True):
             merged[i] = value
         result = tuple(int(v) for v in merged)
-        self._record(Call(*made, sent, faulted, result, thread=thread_name(), **regions))
+        self._record(Call(*made, sent, faulted, result, thread=thread_name(), addrs=table[0], sizes=table[1]))
         return merged
 
     def _call_inner(
@@ -320,6 +337,7 @@ class FaultInjectingBackend:
         return answer
 
     def _passthrough(self, op: str, keys: Any, addrs: Any, sizes: Any) -> Any:
+        answer: list[Any]
         with self._inside():
             try:
                 if op == "exists":
