@@ -6,18 +6,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ..backends.base import Backend, Regions
 from ..errors import BackendError
+from .plan import Plan, RuleBook
 from .records import Call, region_copy, region_stats, thread_name
 from .rules import DATA_OPS, FaultRule, HangExpiredError
 
@@ -27,14 +26,6 @@ __all__ = ["OPS", "BlockingBackend", "FaultInjectingBackend"]
 
 OPS = ("register", "unregister", "exists", "put", "get", "close")
 """The op names of every call the wrapper records (``batch_put`` is ``"put"``, and so on)."""
-
-
-@dataclass(slots=True)
-class _Plan:
-    delay_s: float = 0.0
-    hangs: list[tuple[threading.Event, float]] = field(default_factory=list)
-    exception: BaseException | None = None
-    codes: dict[int, int] = field(default_factory=dict)  # key index -> injected code
 
 
 class FaultInjectingBackend:
@@ -53,9 +44,7 @@ class FaultInjectingBackend:
         self.inner = inner
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._rng = random.Random(seed)
-        self._rules: list[FaultRule] = []
-        self._fired: dict[int, int] = {}
+        self._rulebook = RuleBook(seed)
         self._calls: list[Call] = []
         self._started: Counter[str] = Counter()
         self._entered = {op: threading.Event() for op in OPS}
@@ -68,30 +57,21 @@ class FaultInjectingBackend:
     # -- rules ----------------------------------------------------------------------------------
 
     def add_rule(self, rule: FaultRule) -> FaultRule:
-        if not isinstance(rule, FaultRule):
-            raise TypeError(f"rules must be FaultRule objects, got {type(rule).__name__}")
-        with self._lock:
-            self._rules.append(rule)
-            self._fired.setdefault(id(rule), 0)
-        return rule
+        return self._rulebook.add(rule)
 
     def remove_rule(self, rule: FaultRule) -> None:
-        with self._lock:
-            self._rules = [r for r in self._rules if r is not rule]
+        self._rulebook.remove(rule)
 
     def clear_rules(self) -> None:
-        with self._lock:
-            self._rules = []
+        self._rulebook.clear()
 
     @property
     def rules(self) -> tuple[FaultRule, ...]:
-        with self._lock:
-            return tuple(self._rules)
+        return self._rulebook.rules
 
     def fired(self, rule: FaultRule) -> int:
         """How often ``rule`` fired (calls, or keys for a ``per_key`` rule)."""
-        with self._lock:
-            return self._fired.get(id(rule), 0)
+        return self._rulebook.fired(rule)
 
     def fail(self, op: str, exception: BaseException | type[BaseException], times: int = 1) -> FaultRule:
         """The next ``times`` calls of ``op`` raise ``exception`` without reaching the inner backend."""
@@ -212,7 +192,7 @@ class FaultInjectingBackend:
         counts, nbytes = (1,), (size if isinstance(size, int) else -1,)
         table = (region_copy([[addr]]), region_copy([[size]]))
         self._start("register")
-        plan = self._draw("register", None)
+        plan = self._rulebook.draw("register", None)
         with self._inside():
             try:
                 self._delay_and_hang(plan, "register")
@@ -283,7 +263,7 @@ class FaultInjectingBackend:
         counts, nbytes = region_stats(sizes)
         table = (region_copy(addrs), region_copy(sizes))
         made = (op, tuple(key_list), counts, nbytes)
-        plan = self._draw(op, key_list)
+        plan = self._rulebook.draw(op, key_list)
         faulted = tuple(key_list[i] for i in sorted(plan.codes))
         with self._inside():
             try:
@@ -352,59 +332,7 @@ class FaultInjectingBackend:
         self._record(Call(op, (), (), (), result=tuple(int(v) for v in answer), thread=thread_name()))
         return answer
 
-    def _draw(self, op: str, keys: list[str] | None) -> _Plan:
-        """Decide, under the lock, which rules fire for this call and on which keys."""
-        plan = _Plan()
-        with self._lock:
-            for rule in self._rules:
-                if not rule.applies_to(op):
-                    continue
-                budget = self._budget(rule)
-                if budget == 0:
-                    continue
-                if keys is None:
-                    targeted: list[int] = []
-                elif rule.keys is None:
-                    targeted = list(range(len(keys)))
-                else:
-                    targeted = [i for i, key in enumerate(keys) if rule.targets(key)]
-                if keys is not None and not targeted:
-                    continue
-                if rule.per_key and keys is not None:
-                    fired = []
-                    for i in targeted:
-                        if budget == 0:
-                            break
-                        if self._chance(rule):
-                            fired.append(i)
-                            budget -= 1
-                    self._fired[id(rule)] += len(fired)
-                    if not fired:
-                        continue
-                else:
-                    if not self._chance(rule):
-                        continue
-                    self._fired[id(rule)] += 1
-                    fired = targeted
-                plan.delay_s += rule.delay_s
-                if rule.hang is not None:
-                    plan.hangs.append((rule.hang, rule.max_hang_s))
-                if rule.exception is not None and plan.exception is None:
-                    plan.exception = rule.make_exception(f"batch_{op}" if op in DATA_OPS else op)
-                if rule.code is not None:
-                    for i in fired:
-                        plan.codes.setdefault(i, rule.code)
-        return plan
-
-    def _budget(self, rule: FaultRule) -> int:
-        if rule.times is None:
-            return -1  # unlimited: never reaches 0 by decrementing
-        return max(0, rule.times - self._fired[id(rule)])
-
-    def _chance(self, rule: FaultRule) -> bool:
-        return rule.probability >= 1.0 or self._rng.random() < rule.probability
-
-    def _delay_and_hang(self, plan: _Plan, op: str) -> None:
+    def _delay_and_hang(self, plan: Plan, op: str) -> None:
         if plan.delay_s:
             time.sleep(plan.delay_s)
         for event, max_wait in plan.hangs:
