@@ -1,8 +1,9 @@
 """``python -m aiokv demo``: a prefill cache stores a long prompt, a second cache loads it back.
 
-Two engine-like paged KV caches are built in NumPy (layers x K/V regions of fixed-size blocks). The
-first stores a prompt through :class:`KVWorker` on the embedded backend; the second, with other block
-ids, looks the prompt up, loads it, and every byte is compared. Output goes to ``out``.
+Two engine-like paged KV caches are built in NumPy (aiokv.testing's toy cache: layers x K/V regions of
+fixed-size blocks). The first stores a prompt through :class:`KVWorker` on the embedded backend; the
+second, with other block ids, looks the prompt up, loads it, and every byte is compared. Output goes
+to ``out``.
 """
 
 from __future__ import annotations
@@ -10,46 +11,15 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
 from typing import TextIO
 
 import numpy as np
 
 from .backends.memory import MemoryBackend
 from .keys import HashedPrompt
-from .layout import KVLayout
 from .runner import run
+from .testing.paged_cache import GroupCache, same_blocks
 from .worker import KVWorker
-
-
-@dataclass
-class PagedCache:
-    """A toy paged KV cache: one NumPy array per region (layer x K/V), ``num_blocks`` blocks each."""
-
-    regions: list[np.ndarray]
-    layout: KVLayout
-
-    @classmethod
-    def allocate(
-        cls, layers: int, num_blocks: int, block_size: int, heads: int, head_dim: int, *, fill: bool
-    ) -> PagedCache:
-        shape = (num_blocks, block_size, heads, head_dim)
-        rng = np.random.default_rng(0)
-        regions = []
-        for _ in range(2 * layers):
-            if fill:
-                region = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16).view(np.float16)
-            else:
-                region = np.zeros(shape, dtype=np.float16)
-            regions.append(region)
-        block_len = block_size * heads * head_dim * 2
-        layout = KVLayout(
-            [r.ctypes.data for r in regions], [block_len], block_size, num_blocks, dtype="float16"
-        )
-        return cls(regions, layout)
-
-    def blocks(self, block_ids: np.ndarray) -> list[np.ndarray]:
-        return [region[block_ids] for region in self.regions]
 
 
 def _write(out: TextIO, text: str) -> None:
@@ -68,8 +38,18 @@ async def demo(
     head_dim: int = 64,
 ) -> bool:
     num_blocks = 2 * (tokens // block_size) + 16
-    prefill = PagedCache.allocate(layers, num_blocks, block_size, heads, head_dim, fill=True)
-    decode = PagedCache.allocate(layers, num_blocks, block_size, heads, head_dim, fill=False)
+    # One region per (layer, K/V), a block holding block_size x heads x head_dim float16 values.
+    prefill, decode = (
+        GroupCache.allocate(
+            num_regions=2 * layers,
+            num_blocks=num_blocks,
+            block_size=block_size,
+            block_lens=block_size * heads * head_dim * 2,
+            fill=fill,
+            dtype="float16",
+        )
+        for fill in ("random", 0)
+    )
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, 128_000, size=tokens + block_size // 2, dtype=np.int64)  # + a partial block
     needed = tokens // block_size
@@ -114,12 +94,9 @@ async def demo(
             f"{sum(map(len, loaded.failed_block_ids))} blocks to recompute",
         )
         stats = worker.stats()
-    expected = prefill.blocks(prefill_ids[: hit // block_size])
-    actual = decode.blocks(decode_ids[: hit // block_size])
-    same = all(
-        np.array_equal(e.view(np.uint16), a.view(np.uint16)) for e, a in zip(expected, actual, strict=True)
-    )
-    verified = sum(a.nbytes for a in actual)
+    compared = hit // block_size
+    same = same_blocks(prefill, prefill_ids[:compared], decode, decode_ids[:compared])
+    verified = compared * prefill.layout.chunk_bytes_per_block
     _write(
         out, f"verify  : {verified / 2**20:.1f} MiB compared byte for byte: {'OK' if same else 'MISMATCH'}"
     )

@@ -61,6 +61,7 @@ from aiokv import (
 )
 from aiokv.backends.mooncake import MooncakeBackend
 from aiokv.backends.mooncake_master import MooncakeMaster
+from aiokv.testing import PagedCache, chunk_block_ids, chunk_value
 
 CHUNK_TOKENS = 64
 HEADS, HEAD_DIM = 4, 64  # per layer, K and V each: block bytes = block_size * HEADS * HEAD_DIM * 2
@@ -94,25 +95,23 @@ def say(text: str) -> None:
 
 
 class PagedKVCache:
-    """Per group, one float16 array per (layer, K/V) region: ``(num_blocks, block_size, HEADS, HEAD_DIM)``."""
+    """The engine's KV cache: aiokv.testing's toy paged cache, one group per ``GROUPS`` entry, one region
+    per (layer, K/V), a block holding ``block_size x HEADS x HEAD_DIM`` float16 values."""
 
     def __init__(self, num_blocks: int, seed: int | None) -> None:
-        rng = np.random.default_rng(seed)
-        self.regions: list[list[np.ndarray]] = []
-        self.layouts: list[KVLayout] = []
-        for spec in GROUPS:
-            shape = (num_blocks, spec.block_size, HEADS, HEAD_DIM)
-            regions = [
-                # "Computed" KV: random bit patterns, viewed as float16; a decode cache starts zeroed.
-                rng.integers(0, 1 << 16, size=shape, dtype=np.uint16).view(np.float16)
-                if seed is not None
-                else np.zeros(shape, dtype=np.float16)
-                for _ in range(2 * spec.layers)
-            ]
-            block_len = spec.block_size * HEADS * HEAD_DIM * 2
-            addrs = [r.ctypes.data for r in regions]
-            self.layouts.append(KVLayout(addrs, [block_len], spec.block_size, num_blocks, dtype="float16"))
-            self.regions.append(regions)
+        specs = [
+            {
+                "num_regions": 2 * spec.layers,
+                "num_blocks": num_blocks,
+                "block_size": spec.block_size,
+                "block_lens": spec.block_size * HEADS * HEAD_DIM * 2,
+                "dtype": "float16",
+            }
+            for spec in GROUPS
+        ]
+        # "Computed" KV: random bit patterns from the seed; a decode cache (no seed) starts zeroed.
+        self.cache = PagedCache.allocate(specs, fill=0 if seed is None else "random", seed=seed or 0)
+        self.layouts: list[KVLayout] = self.cache.layouts
 
     def block_table(self, rng: np.random.Generator, num_tokens: int) -> list[np.ndarray]:
         """Per group, the scattered blocks an engine's allocator might hand out for ``num_tokens``."""
@@ -125,16 +124,10 @@ class PagedKVCache:
     def checksums(self, block_table: list[np.ndarray], chunks: int) -> list[list[str]]:
         """Per group and chunk, a digest of the chunk's value: region by region, its blocks in order."""
         digests = []
-        for spec, regions, ids in zip(GROUPS, self.regions, block_table, strict=True):
+        for spec, group, ids in zip(GROUPS, self.cache.groups, block_table, strict=True):
             per = CHUNK_TOKENS // spec.block_size
-            group = []
-            for chunk in range(chunks):
-                blocks = ids[chunk * per : (chunk + 1) * per]
-                h = hashlib.blake2b(digest_size=16)
-                for region in regions:
-                    h.update(region[blocks].tobytes())
-                group.append(h.hexdigest())
-            digests.append(group)
+            values = (chunk_value(group, chunk_block_ids(ids, chunk, per)) for chunk in range(chunks))
+            digests.append([hashlib.blake2b(value, digest_size=16).hexdigest() for value in values])
         return digests
 
     @property
@@ -213,7 +206,7 @@ def decode(args: argparse.Namespace) -> int:
     if args.simulate_corruption is not None:
         per = CHUNK_TOKENS // GROUPS[0].block_size
         block = int(table[0][args.simulate_corruption * per])
-        cache.regions[0][0].view(np.uint16)[block, 0, 0, 0] ^= 1
+        cache.cache[0].regions[0][block, 0] ^= 1
         say(f"decode: flipped one bit of chunk {args.simulate_corruption} (--simulate-corruption)")
 
     mismatches = 0

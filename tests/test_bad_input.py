@@ -25,8 +25,7 @@ from aiokv import (
     MemoryBackend,
     chunk_hashes,
 )
-from aiokv.testing import FaultInjectingBackend
-from tests.helpers import SENTINEL, PagedCache
+from aiokv.testing import SENTINEL, FaultInjectingBackend, PagedCache
 
 NAN, INF = math.nan, math.inf
 HUGE = 2**70

@@ -12,8 +12,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from aiokv import BackendError, KVWorker, MemoryBackend, ThreadedKVWorker
 from aiokv.backends.base import TRANSFER_FAILED
 from aiokv.metrics import PrometheusExporter, register_worker_metrics
-from aiokv.testing import FaultInjectingBackend, FaultRule
-from tests.helpers import SENTINEL, PagedCache, chunk_keys
+from aiokv.testing import SENTINEL, FaultInjectingBackend, FaultRule, PagedCache
+from tests.helpers import chunk_keys
 
 CHUNK = 8
 NAMESPACE = "metrics-model"

@@ -28,19 +28,23 @@ from aiokv import (
 from aiokv.backends.base import NO_SPACE, NOT_FOUND
 from aiokv.backends.mooncake import MooncakeBackend
 from aiokv.backends.mooncake_master import MooncakeMaster
-
-from .helpers import (
+from aiokv.testing import (
     SENTINEL,
-    TWO_GROUP_SPECS,
-    TWO_GROUPS_CHUNK_TOKENS,
-    ControlledBackend,
+    FaultInjectingBackend,
     PagedCache,
     chunk_block_ids,
-    chunk_keys,
     chunk_value,
+)
+
+from .helpers import (
+    TWO_GROUP_SPECS,
+    TWO_GROUPS_CHUNK_TOKENS,
+    assert_loaded,
+    blocks_per_chunk,
+    chunk_keys,
+    prompt,
     read_value,
-    same_blocks,
-    scattered_block_ids,
+    scattered,
     wait_until,
 )
 from .mooncake_support import segment_holder
@@ -59,29 +63,8 @@ def namespace() -> KeyNamespace:
     return KeyNamespace(f"mc-{uuid.uuid4().hex[:12]}")
 
 
-def per_chunk(cache: PagedCache) -> list[int]:
-    return [C // layout.block_size for layout in cache.layouts]
-
-
 def make_worker(cache: PagedCache, backend: Any, ns: KeyNamespace, **options: Any) -> KVWorker:
     return KVWorker(cache.layouts, backend, namespace=ns, chunk_tokens=C, **options)
-
-
-def prompt(seed: int, chunks: int, extra: int = 0) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 32_000, size=chunks * C + extra).tolist()
-
-
-def scattered(cache: PagedCache, chunks: int, seed: int, extra_blocks: int = 0) -> list[np.ndarray]:
-    """Random distinct block ids per group: chunk 0 on consecutive blocks (one region per cache region
-    after coalescing), every other chunk on random, almost surely non-consecutive blocks."""
-    rng = np.random.default_rng(seed)
-    tables = []
-    for group, per in zip(cache.groups, per_chunk(cache), strict=True):
-        start = int(rng.integers(0, group.num_blocks - per))
-        first = np.arange(start, start + per, dtype=np.int64)
-        rest = scattered_block_ids(rng, group.num_blocks, (chunks - 1) * per + extra_blocks, exclude=first)
-        tables.append(np.concatenate([first, rest]))
-    return tables
 
 
 def chunk_blocks(
@@ -90,7 +73,7 @@ def chunk_blocks(
     """Per group, the block ids of chunks ``[start, stop)`` (to the end when ``stop`` is None)."""
     return tuple(
         tuple(group_ids[start * per : None if stop is None else stop * per].tolist())
-        for group_ids, per in zip(ids, per_chunk(cache), strict=True)
+        for group_ids, per in zip(ids, blocks_per_chunk(cache), strict=True)
     )
 
 
@@ -103,17 +86,9 @@ def chunk_nbytes(cache: PagedCache) -> list[int]:
     return [layout.chunk_bytes_per_block * C // layout.block_size for layout in cache.layouts]
 
 
-def assert_loaded(
-    src: PagedCache, src_ids: list[np.ndarray], dst: PagedCache, dst_ids: list[np.ndarray], n: int
-) -> None:
-    """Chunks ``[0, n)`` of ``dst_ids`` hold the bytes of the same chunks of ``src_ids``."""
-    for g, per in enumerate(per_chunk(src)):
-        assert same_blocks(src[g], src_ids[g][: n * per], dst[g], dst_ids[g][: n * per]), f"group {g}"
-
-
 def assert_store_holds(backend: Any, cache: PagedCache, ids: list[np.ndarray], keys: list[list[str]]) -> None:
     """Every key's value, read back with exactly its stored size, is its chunk's bytes region by region."""
-    sizes, pers = chunk_nbytes(cache), per_chunk(cache)
+    sizes, pers = chunk_nbytes(cache), blocks_per_chunk(cache)
     for g, group_keys in enumerate(keys):
         for i, key in enumerate(group_keys):
             value = read_value(backend, key, sizes[g])
@@ -141,7 +116,9 @@ async def test_round_trip_two_groups_scattered_blocks(
     tokens = prompt(1, chunks, extra=C // 2 + 3)  # plus a partial chunk that is never stored
     src_ids = scattered(src, chunks, seed=2, extra_blocks=2)
     dst_ids = scattered(dst, chunks, seed=3, extra_blocks=2)
-    for g, per in enumerate(per_chunk(src)):  # multi-block chunks on non-consecutive blocks, both sides
+    for g, per in enumerate(
+        blocks_per_chunk(src)
+    ):  # multi-block chunks on non-consecutive blocks, both sides
         for ids in (src_ids[g], dst_ids[g]):
             blocks = ids[: chunks * per].reshape(chunks, per)
             assert 1 <= int((np.diff(blocks, axis=1) != 1).any(axis=1).sum()) < chunks
@@ -166,7 +143,9 @@ async def test_round_trip_two_groups_scattered_blocks(
     assert loaded.ok and loaded.errors == {}
     assert stats["bytes"]["get"] == chunks * sum(chunk_nbytes(dst))
     assert_loaded(src, src_ids, dst, dst_ids, chunks)
-    for g, per in enumerate(per_chunk(dst)):  # nothing else written, not even the partial chunk's blocks
+    for g, per in enumerate(
+        blocks_per_chunk(dst)
+    ):  # nothing else written, not even the partial chunk's blocks
         assert dst[g].written_blocks() == set(dst_ids[g][: chunks * per].tolist())
 
 
@@ -204,7 +183,7 @@ async def test_second_store_writes_nothing_and_a_shared_prefix_stores_only_new_c
 
     assert (third.stored, third.skipped, third.failed) == (3, chunks, 0)
     assert after_third["bytes"]["put"] - after_second["bytes"]["put"] == 3 * sum(chunk_nbytes(src))
-    shifted = [ids[chunks * per :] for ids, per in zip(longer_ids, per_chunk(src), strict=True)]
+    shifted = [ids[chunks * per :] for ids, per in zip(longer_ids, blocks_per_chunk(src), strict=True)]
     assert_store_holds(mooncake_backend, src, shifted, new_keys)
 
     assert sorted((r.stored, r.skipped, r.failed) for r in concurrent) == [(0, 3, 0), (3, 0, 0)]
@@ -248,7 +227,7 @@ async def test_load_with_missing_keys_fails_exactly_their_blocks(
     tokens = prompt(16, chunks)
     src_ids = scattered(src, chunks, seed=17)
     dst_ids = scattered(dst, chunks + 1, seed=18, extra_blocks=1)  # more blocks than the load needs
-    per = per_chunk(src)
+    per = blocks_per_chunk(src)
     keys = keys_of(tokens, src, ns)
     async with make_worker(src, mooncake_backend, ns) as worker:
         assert (await worker.store(tokens, src_ids)).stored == chunks
@@ -373,7 +352,7 @@ async def test_master_killed_fails_every_pending_future_and_the_worker_closes(
     backend = mooncake_backend_factory(master.address, global_segment_size=0)
     # The real backend behind a gate: it holds a put and a get at the door of Mooncake while the
     # master dies, so that calls already past the exists check are covered, deterministically.
-    gated = ControlledBackend(inner=backend)
+    gated = FaultInjectingBackend(backend)
     ns = namespace()
     stored = [prompt(30 + i, 3) for i in range(3)]
     writer = make_worker(src, gated, ns)
@@ -386,13 +365,13 @@ async def test_master_killed_fails_every_pending_future_and_the_worker_closes(
         before = await reader.load(stored[0], scattered(dst, 3, seed=50))
         assert before.loaded_tokens == 3 * C  # the store works across processes before the crash
 
-        gets_before, puts_before = gated.calls["batch_get"], gated.calls["batch_put"]
-        gated.block("batch_get")
+        gets_before, puts_before = gated.count("get"), gated.count("put")
+        gated.block("get")
         in_get = reader.load(stored[1], scattered(dst, 3, seed=51))
-        await wait_until(gated.entered("batch_get").is_set)
-        gated.block("batch_put")
+        await wait_until(gated.entered("get").is_set)
+        gated.block("put")
         in_put = writer.store(prompt(60, 2), scattered(src, 2, seed=61))
-        await wait_until(gated.entered("batch_put").is_set)
+        await wait_until(gated.entered("put").is_set)
         # Queued behind them, and some that reach the dispatcher after the crash.
         queued: list[Any] = [
             reader.load(stored[2], scattered(dst, 3, seed=52)),
@@ -425,8 +404,8 @@ async def test_master_killed_fails_every_pending_future_and_the_worker_closes(
         assert writer.stats()["requests_failed"]["store"] == 4
         assert reader.stats()["requests_failed"]["load"] == 3
         # The gated put and get calls went on into Mooncake after the crash, and each one raised.
-        assert writer.stats()["backend_exceptions"]["put"] == gated.calls["batch_put"] - puts_before > 0
-        assert reader.stats()["backend_exceptions"]["get"] == gated.calls["batch_get"] - gets_before > 0
+        assert writer.stats()["backend_exceptions"]["put"] == gated.count("put") - puts_before > 0
+        assert reader.stats()["backend_exceptions"]["get"] == gated.count("get") - gets_before > 0
     finally:
         gated.release()
         await asyncio.wait_for(asyncio.gather(writer.close(), reader.close()), HANG_GUARD_S)

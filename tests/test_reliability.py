@@ -1,5 +1,7 @@
-"""Issue 5's "behaviour it must prove": partial failures, exceptions and master loss, deadlines,
-cancellation in every state, shutdown with work pending, and store-pressure backoff.
+"""Issue 5's "behaviour it must prove": partial failures, exceptions and master loss, cancellation in
+the prepare step and behind a busy batch, a failed start, terminate with calls never started, and
+store-pressure backoff (cancellation while queued or in a call, deadlines, close and terminate with work
+pending are in test_lifecycle.py).
 
 Every test runs a real KVWorker on a real MemoryBackend wrapped in aiokv.testing's
 FaultInjectingBackend, and checks bytes in the engine's cache and keys seen by the store.
@@ -9,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -20,95 +21,13 @@ from aiokv import (
     BackendError,
     BackendUnavailableError,
     KVLayout,
-    KVWorker,
     LoadResult,
-    MemoryBackend,
-    StoreResult,
-    TransferTimeoutError,
     WorkerClosedError,
 )
 from aiokv.backends.base import INVALID, NO_SPACE, NOT_FOUND, TRANSFER_FAILED, UNAVAILABLE
-from aiokv.testing import FaultInjectingBackend, FaultRule
-from tests.helpers import SENTINEL, PagedCache, aiokv_threads, chunk_keys, chunk_value, read_value, wait_until
-
-CHUNK = 8
-NAMESPACE = "reliability-model"
-# Two groups: 2 blocks per chunk in group 0, 1 in group 1; unequal block lengths in group 1.
-SPECS = [
-    {"num_regions": 4, "num_blocks": 96, "block_size": 4, "block_lens": 32},
-    {"num_regions": 2, "num_blocks": 48, "block_size": 8, "block_lens": [48, 16]},
-]
-SAFETY_S = 20.0  # bound on every wait; never reached when the code works
-
-
-class Rig:
-    """One cache (sentinel-filled), a MemoryBackend behind a FaultInjectingBackend, and a block
-    allocator handing out scattered block ids that are never reused within a test."""
-
-    def __init__(
-        self, *, seed: int = 0, capacity_bytes: int = 64 << 20, layouts: list[KVLayout] | None = None
-    ):
-        self.rng = np.random.default_rng(seed)
-        self.cache = PagedCache.allocate(SPECS, fill=SENTINEL)
-        self.inner = MemoryBackend(capacity_bytes=capacity_bytes)
-        self.backend = FaultInjectingBackend(self.inner, seed=seed)
-        self.layouts = layouts or self.cache.layouts
-        self.per_chunk = [CHUNK // g.block_size for g in self.cache.groups]
-        self._free = [list(self.rng.permutation(g.num_blocks)) for g in self.cache.groups]
-        self._source: list[set[int]] = [set() for _ in self.cache.groups]
-
-    def worker(self, **options: Any) -> KVWorker:
-        options.setdefault("pressure_backoff_s", 0.0)
-        return KVWorker(self.layouts, self.backend, namespace=NAMESPACE, chunk_tokens=CHUNK, **options)
-
-    def prompt(self, chunks: int, extra_tokens: int = 0) -> np.ndarray:
-        return self.rng.integers(0, 50_000, size=chunks * CHUNK + extra_tokens, dtype=np.int64)
-
-    def blocks(self, chunks: int, *, source: bool, spare: int = 0) -> list[np.ndarray]:
-        """Block ids for ``chunks`` chunks per group (+ ``spare`` unused ids after them); source
-        blocks get random bytes, the others keep the sentinel."""
-        out = []
-        for g, group in enumerate(self.cache.groups):
-            count = chunks * self.per_chunk[g] + spare
-            ids = np.array([self._free[g].pop() for _ in range(count)], dtype=np.int64)
-            if source:
-                for region in group.regions:
-                    region[ids] = self.rng.integers(0, 256, size=(ids.size, region.shape[1]), dtype=np.uint8)
-                self._source[g] |= set(ids.tolist())
-            out.append(ids)
-        return out
-
-    def keys(self, tokens: np.ndarray, group: int) -> list[str]:
-        return chunk_keys(tokens, CHUNK, self.cache[group].layout, group, NAMESPACE)
-
-    def all_keys(self, tokens: np.ndarray) -> list[str]:
-        return [k for g in range(len(SPECS)) for k in self.keys(tokens, g)]
-
-    def chunk_blocks(self, group: int, ids: np.ndarray, chunk: int) -> np.ndarray:
-        n = self.per_chunk[group]
-        return ids[chunk * n : (chunk + 1) * n]
-
-    def value(self, group: int, ids: np.ndarray, chunk: int) -> bytes:
-        return chunk_value(self.cache[group], self.chunk_blocks(group, ids, chunk))
-
-    def stored_value(self, key: str, group: int, ids: np.ndarray, chunk: int) -> bytes | None:
-        return read_value(self.inner, key, len(self.value(group, ids, chunk)))
-
-    def same_bytes(self, group: int, a: np.ndarray, b: np.ndarray) -> bool:
-        return all(np.array_equal(region[a], region[b]) for region in self.cache[group].regions)
-
-    def written_outside_sources(self, group: int) -> set[int]:
-        return self.cache[group].written_blocks() - self._source[group]
-
-
-def fault_keys(rig: Rig, tokens: np.ndarray, picks: Sequence[tuple[int, int]]) -> set[str]:
-    """The keys of (chunk, group) pairs."""
-    return {rig.keys(tokens, g)[c] for c, g in picks}
-
-
-def loop_tasks() -> set[str]:
-    return {t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("aiokv")}
-
+from aiokv.testing import FaultRule, PagedCache
+from tests.helpers import aiokv_threads, wait_until
+from tests.rig import CHUNK, NAMESPACE, SAFETY_S, SPECS, Rig, fault_keys, loop_tasks
 
 # -- partial failures ---------------------------------------------------------------------------------
 
@@ -331,102 +250,7 @@ async def test_an_error_in_the_prepare_step_fails_the_batch_with_the_cause_chain
         assert await worker.lookup(tokens) == 0
 
 
-# -- deadlines ------------------------------------------------------------------------------------------
-
-
-@pytest.mark.asyncio
-async def test_a_deadline_in_a_hung_call_is_reported_only_once_the_call_returns() -> None:
-    rig = Rig(seed=9)
-    release = threading.Event()
-    rig.backend.add_rule(FaultRule(op="put", hang=release, max_hang_s=SAFETY_S))
-    tokens, src = rig.prompt(2), rig.blocks(2, source=True)
-    async with rig.worker() as worker:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 0.3
-        fut = worker.store(tokens, src, timeout=0.3)
-        try:
-            # Both groups' puts hang well before the deadline (or the test says why not).
-            await wait_until(lambda: rig.backend.hanging == 2 or fut.done(), SAFETY_S)
-            assert not fut.done(), fut
-            await asyncio.sleep(deadline + 0.05 - loop.time())  # past the deadline
-            assert not fut.done()
-            # A caller's own timeout stops its wait, not the transfer.
-            with pytest.raises(TimeoutError):
-                await asyncio.wait_for(fut, 0.01)
-            assert not fut.done() and not fut.cancelled()
-        finally:
-            release.set()
-        with pytest.raises(TransferTimeoutError):
-            await asyncio.wait_for(fut, SAFETY_S)
-        assert fut.done()
-        # The hung call itself completed, so the data is in the store.
-        assert rig.inner.batch_exists(rig.all_keys(tokens)) == [True] * 4
-        assert worker.stats()["requests_failed"] == {"store": 1}
-
-
-@pytest.mark.asyncio
-async def test_a_deadline_while_queued_fails_at_once_and_nothing_reaches_the_store() -> None:
-    rig = Rig(seed=10)
-    release = threading.Event()
-    rig.backend.add_rule(FaultRule(op="put", hang=release, max_hang_s=SAFETY_S))
-    first, second = rig.prompt(1), rig.prompt(1)
-    async with rig.worker(max_concurrent_batches=1) as worker:
-        running = worker.store(first, rig.blocks(1, source=True))
-        try:
-            await rig.backend.wait_hanging_async(1, timeout=SAFETY_S)
-            queued = worker.store(second, rig.blocks(1, source=True), timeout=0.02)
-            with pytest.raises(TransferTimeoutError, match="before it ran"):
-                await asyncio.wait_for(queued, SAFETY_S)
-            assert not running.done()
-        finally:
-            release.set()
-        assert (await running).stored == 1
-    seen = {k for c in rig.backend.data_calls() for k in c.keys}
-    assert seen.isdisjoint(rig.all_keys(second))
-
-
-@pytest.mark.asyncio
-async def test_wait_for_timing_out_does_not_cancel_the_transfer() -> None:
-    rig = Rig(seed=11)
-    release = threading.Event()
-    rig.backend.add_rule(FaultRule(op="get", hang=release, max_hang_s=SAFETY_S))
-    tokens, src, dst = rig.prompt(2), rig.blocks(2, source=True), rig.blocks(2, source=False)
-    async with rig.worker() as worker:
-        await worker.store(tokens, src)
-        fut = worker.load(tokens, dst)
-        try:
-            await rig.backend.wait_hanging_async(1, timeout=SAFETY_S)
-            with pytest.raises(TimeoutError):
-                await asyncio.wait_for(fut, 0.01)
-            assert not fut.done()
-        finally:
-            release.set()
-        result = await fut
-    assert result.loaded_tokens == 2 * CHUNK
-    for g in range(2):
-        assert rig.same_bytes(g, dst[g], src[g])
-
-
 # -- cancellation in every state ---------------------------------------------------------------------
-
-
-@pytest.mark.asyncio
-async def test_cancel_while_queued_is_immediate_and_nothing_reaches_the_store() -> None:
-    rig = Rig(seed=12)
-    tokens = rig.prompt(2)
-    async with rig.worker() as worker:
-        fut = worker.store(tokens, rig.blocks(2, source=True))
-        assert fut.cancel() is True
-        assert fut.done() and fut.cancelled()
-        with pytest.raises(asyncio.CancelledError):
-            fut.result()
-        assert fut.cancel() is False
-        other = rig.prompt(1)
-        assert (await worker.store(other, rig.blocks(1, source=True))).stored == 1
-        stats = worker.stats()
-    assert stats["requests_cancelled"] == {"store": 1}
-    seen = {k for c in rig.backend.data_calls() for k in c.keys}
-    assert seen.isdisjoint(rig.all_keys(tokens))
 
 
 @pytest.mark.asyncio
@@ -447,25 +271,6 @@ async def test_cancel_while_queued_behind_a_busy_batch() -> None:
         await running
     seen = {k for c in rig.backend.data_calls() for k in c.keys}
     assert seen.isdisjoint(rig.all_keys(waiting))
-
-
-@pytest.mark.asyncio
-async def test_cancel_during_the_existence_check_is_immediate_and_its_chunks_are_never_written() -> None:
-    rig = Rig(seed=14)
-    release = threading.Event()
-    rig.backend.add_rule(FaultRule(op="exists", hang=release, max_hang_s=SAFETY_S, times=1))
-    doomed, kept = rig.prompt(2), rig.prompt(2)
-    async with rig.worker() as worker:
-        fut = worker.store(doomed, rig.blocks(2, source=True))
-        sibling = worker.store(kept, rig.blocks(2, source=True))  # same batch
-        try:
-            await rig.backend.wait_hanging_async(1, timeout=SAFETY_S)
-            assert fut.cancel() is True
-            assert fut.done() and fut.cancelled()  # exists does not touch the blocks
-        finally:
-            release.set()
-        assert (await sibling).stored == 2
-    assert set(rig.backend.sent_keys("put")) == set(rig.all_keys(kept))
 
 
 class GatedLayout(KVLayout):
@@ -543,41 +348,6 @@ async def test_a_sibling_of_a_store_cancelled_in_prepare_reports_the_truth() -> 
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("kind", ["store", "load"])
-async def test_cancel_inside_the_backend_call_is_done_only_after_the_call_returns(kind: str) -> None:
-    rig = Rig(seed=16)
-    release = threading.Event()
-    tokens, src, dst = rig.prompt(2), rig.blocks(2, source=True), rig.blocks(2, source=False)
-    async with rig.worker() as worker:
-        if kind == "load":
-            await worker.store(tokens, src)
-        rig.backend.add_rule(
-            FaultRule(op="put" if kind == "store" else "get", hang=release, max_hang_s=SAFETY_S)
-        )
-        fut = worker.store(tokens, src) if kind == "store" else worker.load(tokens, dst)
-        try:
-            await rig.backend.wait_hanging_async(2, timeout=SAFETY_S)
-            assert fut.cancel() is True
-            for _ in range(5):
-                await asyncio.sleep(0.01)
-                assert not fut.done()  # the store may still read / write these blocks
-        finally:
-            release.set()
-        with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(fut, SAFETY_S)
-        assert fut.done() and fut.cancelled()
-        assert worker.stats()["requests_cancelled"] == {kind: 1}
-    # The call ran to completion: its bytes were moved in full.
-    if kind == "store":
-        for g in range(2):
-            for c, key in enumerate(rig.keys(tokens, g)):
-                assert rig.stored_value(key, g, src[g], c) == rig.value(g, src[g], c)
-    else:
-        for g in range(2):
-            assert rig.same_bytes(g, dst[g], src[g])
-
-
-@pytest.mark.asyncio
 async def test_cancel_after_finishing_changes_nothing() -> None:
     rig = Rig(seed=17)
     tokens = rig.prompt(2)
@@ -590,64 +360,6 @@ async def test_cancel_after_finishing_changes_nothing() -> None:
 
 
 # -- shutdown --------------------------------------------------------------------------------------------
-
-
-@pytest.mark.asyncio
-async def test_graceful_close_finishes_every_pending_request_and_leaves_no_thread_or_task() -> None:
-    rig = Rig(seed=18)
-    rig.backend.add_rule(FaultRule(op="*", delay_s=0.002))
-    threads_before = aiokv_threads()
-    worker = rig.worker(executor_threads=3)
-    await worker.start()
-    prompts = [rig.prompt(2) for _ in range(12)]
-    stores = [worker.store(p, rig.blocks(2, source=True)) for p in prompts]
-    loads = [worker.load(p, rig.blocks(2, source=False)) for p in prompts[:6]]
-    await worker.close()
-    assert all(f.done() for f in stores + loads)
-    results = [f.result() for f in stores + loads]  # none failed or was cancelled
-    assert all(isinstance(r, StoreResult) and r.failed == 0 for r in results[:12])
-    assert all(isinstance(r, LoadResult) for r in results[12:])
-    assert sum(r.stored + r.skipped for r in results[:12]) == 24
-    assert aiokv_threads() == threads_before
-    assert loop_tasks() == set()
-    with pytest.raises(WorkerClosedError):
-        worker.store(prompts[0], rig.blocks(2, source=True))
-    with pytest.raises(WorkerClosedError):
-        await worker.lookup(prompts[0])
-    assert rig.backend.calls_of("unregister")  # our memory was released
-
-
-@pytest.mark.asyncio
-async def test_terminate_fails_queued_work_at_once_and_waits_for_the_call_in_flight() -> None:
-    rig = Rig(seed=19)
-    release = threading.Event()
-    rig.backend.add_rule(FaultRule(op="put", hang=release, max_hang_s=SAFETY_S, times=2))
-    threads_before = aiokv_threads()
-    worker = rig.worker(max_concurrent_batches=1)
-    await worker.start()
-    in_flight = worker.store(rig.prompt(1), rig.blocks(1, source=True))
-    try:
-        await rig.backend.wait_hanging_async(2, timeout=SAFETY_S)
-        queued = [worker.store(rig.prompt(1), rig.blocks(1, source=True)) for _ in range(3)]
-        queued.append(worker.load(rig.prompt(1), rig.blocks(1, source=False)))
-        lookup = asyncio.ensure_future(worker.lookup(rig.prompt(1)))
-        await asyncio.sleep(0)
-        worker.terminate()
-        for fut in queued:
-            assert fut.done()
-            with pytest.raises(WorkerClosedError):
-                fut.result()
-        with pytest.raises(WorkerClosedError):
-            await lookup
-        assert not in_flight.done()
-        closing = asyncio.ensure_future(worker.wait_closed())
-        await asyncio.sleep(0.02)
-        assert not closing.done() and not in_flight.done()
-    finally:
-        release.set()
-    await asyncio.wait_for(closing, SAFETY_S)
-    assert in_flight.done() and in_flight.result().stored == 1
-    assert aiokv_threads() == threads_before and loop_tasks() == set()
 
 
 @pytest.mark.asyncio
@@ -673,30 +385,6 @@ async def test_terminate_fails_a_transfer_whose_later_calls_never_started() -> N
         fut.result()  # the same error as requests terminate() failed while queued
     assert len(rig.backend.calls_of("put")) == 1  # the dropped calls never reached the store
     assert aiokv_threads() == threads_before and loop_tasks() == set()
-
-
-@pytest.mark.asyncio
-async def test_close_with_a_timeout_terminates_but_still_waits_for_the_hung_call() -> None:
-    rig = Rig(seed=21)
-    release = threading.Event()
-    rig.backend.add_rule(FaultRule(op="get", hang=release, max_hang_s=SAFETY_S))
-    tokens, src, dst = rig.prompt(2), rig.blocks(2, source=True), rig.blocks(2, source=False)
-    threads_before = aiokv_threads()
-    worker = rig.worker()
-    await worker.start()
-    await worker.store(tokens, src)
-    load = worker.load(tokens, dst)
-    try:
-        await rig.backend.wait_hanging_async(1, timeout=SAFETY_S)
-        closing = asyncio.ensure_future(worker.close(timeout=0.02))
-        await asyncio.sleep(0.1)
-        assert not closing.done() and not load.done()
-    finally:
-        release.set()
-    await asyncio.wait_for(closing, SAFETY_S)
-    assert load.done() and load.result().loaded_tokens == 2 * CHUNK
-    assert aiokv_threads() == threads_before and loop_tasks() == set()
-    assert worker.closed
 
 
 @pytest.mark.asyncio

@@ -20,8 +20,7 @@ import pytest
 
 from aiokv import BackendError, KeyNamespace, KVWorker, LoadResult, MemoryBackend, StoreResult, chunk_hashes
 from aiokv.backends.base import NO_SPACE, NOT_FOUND, TRANSFER_FAILED
-from aiokv.testing import FaultInjectingBackend, FaultRule
-from tests.helpers import SENTINEL, PagedCache
+from aiokv.testing import SENTINEL, FaultInjectingBackend, FaultRule, PagedCache
 
 CHUNK = 16
 NAMESPACE = KeyNamespace("soak-model")

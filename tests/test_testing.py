@@ -266,7 +266,7 @@ def test_first_rule_wins_a_key_and_delays_add_up(
     inner: MemoryBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     slept: list[float] = []
-    monkeypatch.setattr("aiokv.testing.time.sleep", slept.append)
+    monkeypatch.setattr("aiokv.testing.faults.time.sleep", slept.append)
     backend = FaultInjectingBackend(
         inner,
         rules=[
@@ -290,7 +290,7 @@ def test_a_delayed_call_holds_no_lock(inner: MemoryBackend, monkeypatch: pytest.
         entered.set()
         proceed.wait(10)
 
-    monkeypatch.setattr("aiokv.testing.time.sleep", sleep)
+    monkeypatch.setattr("aiokv.testing.faults.time.sleep", sleep)
     backend = FaultInjectingBackend(inner, rules=[FaultRule(op="exists", keys={"slow"}, delay_s=0.2)])
     slow_answer: list[list[bool]] = []
     slow = threading.Thread(target=lambda: slow_answer.append(backend.batch_exists(["slow"])))

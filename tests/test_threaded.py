@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 
 from aiokv import StoreResult, SyncTransferFuture, ThreadedKVWorker, WorkerClosedError
+from aiokv.testing import FaultInjectingBackend, PagedCache, same_blocks
 
 from .helpers import (
     SAFETY_TIMEOUT_S,
-    ControlledBackend,
-    PagedCache,
     aiokv_threads,
     chunk_keys,
-    same_blocks,
+    prompt,
+    recording_backend,
     scattered_block_ids,
 )
 
@@ -57,22 +57,18 @@ def cache() -> PagedCache:
 
 
 @pytest.fixture
-def backend() -> Iterator[ControlledBackend]:
-    b = ControlledBackend()
+def backend() -> Iterator[FaultInjectingBackend]:
+    b = recording_backend()
     yield b
     b.release()
 
 
 def make(
-    cache: PagedCache, backend: ControlledBackend, loop_factory: Callable[[], Any], **options: Any
+    cache: PagedCache, backend: FaultInjectingBackend, loop_factory: Callable[[], Any], **options: Any
 ) -> ThreadedKVWorker:
     return ThreadedKVWorker(
         cache.layouts, backend, namespace=NS, chunk_tokens=C, loop_factory=loop_factory, **options
     )
-
-
-def prompt(seed: int, chunks: int) -> list[int]:
-    return np.random.default_rng(seed).integers(0, 32_000, size=chunks * C).tolist()
 
 
 def consecutive(chunks: int, start: int = 0) -> list[np.ndarray]:
@@ -88,7 +84,7 @@ def wait_event(event: threading.Event) -> None:
 
 
 def test_two_threads_store_lookup_and_load_concurrently(
-    cache: PagedCache, backend: ControlledBackend, loop_factory: Callable[[], Any]
+    cache: PagedCache, backend: FaultInjectingBackend, loop_factory: Callable[[], Any]
 ) -> None:
     chunks = 3
     rng = np.random.default_rng(6)
@@ -146,20 +142,20 @@ def test_two_threads_store_lookup_and_load_concurrently(
     shared_results = [outcomes[t][0][1] for t in range(2)]
     assert sum(r.stored for r in shared_results) == chunks  # the shared prompt was written once
     assert sum(r.skipped for r in shared_results) == chunks
-    put = Counter(backend.keys_seen("batch_put"))
+    put = Counter(backend.keys_seen("put"))
     assert set(put.values()) == {1}
     assert set(put) == keys_of(shared, cache) | keys_of(plans[0][0], cache) | keys_of(plans[1][0], cache)
 
 
 def test_cancel_inside_a_backend_call_returns_true_and_completes_after_the_call(
-    cache: PagedCache, backend: ControlledBackend, loop_factory: Callable[[], Any]
+    cache: PagedCache, backend: FaultInjectingBackend, loop_factory: Callable[[], Any]
 ) -> None:
     tokens = prompt(30, 2)
     with make(cache, backend, loop_factory) as worker:
-        with backend.blocked("batch_put"):
+        with backend.blocked("put"):
             future = worker.store(tokens, consecutive(2))
             assert isinstance(future, SyncTransferFuture) and isinstance(future, concurrent.futures.Future)
-            wait_event(backend.entered("batch_put"))
+            wait_event(backend.entered("put"))
             called: list[concurrent.futures.Future[Any]] = []
             future.add_done_callback(called.append)
             assert future.cancel() is True
@@ -176,13 +172,13 @@ def test_cancel_inside_a_backend_call_returns_true_and_completes_after_the_call(
 
 
 def test_cancel_of_a_queued_request_is_done_at_once(
-    cache: PagedCache, backend: ControlledBackend, loop_factory: Callable[[], Any]
+    cache: PagedCache, backend: FaultInjectingBackend, loop_factory: Callable[[], Any]
 ) -> None:
     first, second = prompt(32, 2), prompt(33, 2)
     with make(cache, backend, loop_factory, max_concurrent_batches=1) as worker:
-        with backend.blocked("batch_put"):
+        with backend.blocked("put"):
             running = worker.store(first, consecutive(2))
-            wait_event(backend.entered("batch_put"))
+            wait_event(backend.entered("put"))
             queued = worker.store(second, consecutive(2, start=20))
             assert queued.cancel() is True
             assert queued.done() and queued.cancelled()  # at once, while the first is still blocked
@@ -190,16 +186,16 @@ def test_cancel_of_a_queued_request_is_done_at_once(
             backend.release()
         assert isinstance(running.result(SAFETY_TIMEOUT_S), StoreResult)
         assert worker.lookup(second) == 0
-    assert not set(backend.keys_seen("batch_put")) & keys_of(second, cache)
+    assert not set(backend.keys_seen("put")) & keys_of(second, cache)
 
 
 def test_bad_input_raises_at_the_call(
-    cache: PagedCache, backend: ControlledBackend, loop_factory: Callable[[], Any]
+    cache: PagedCache, backend: FaultInjectingBackend, loop_factory: Callable[[], Any]
 ) -> None:
     tokens = prompt(34, 2)
     good = consecutive(2)
     with make(cache, backend, loop_factory) as worker:
-        backend.reset_records()
+        backend.clear_calls()
         for submit in (worker.store, worker.load):
             with pytest.raises(ValueError):
                 submit(tokens, [good[0]])  # one group of two
@@ -211,19 +207,19 @@ def test_bad_input_raises_at_the_call(
                 submit(tokens, [[-1, *good[0][1:].tolist()], good[1]])
             with pytest.raises(ValueError):
                 submit(tokens, [[float(b) for b in good[0]], good[1]])
-        assert sum(backend.calls.values()) == 0
+        assert backend.count() == 0
         # Token values are checked as they are hashed: the future fails, with ValueError.
         with pytest.raises(ValueError):
             worker.store([*tokens[:-1], 2**40], good).result(SAFETY_TIMEOUT_S)
         with pytest.raises(ValueError):
             worker.lookup([-1] * C)
-        assert sum(backend.calls.values()) == 0
+        assert backend.count() == 0
         result = worker.store(tokens, good).result(SAFETY_TIMEOUT_S)
     assert (result.stored, result.failed) == (2, 0)
 
 
 def test_close_finishes_pending_work_and_joins_the_loop_thread(
-    cache: PagedCache, backend: ControlledBackend, loop_factory: Callable[[], Any]
+    cache: PagedCache, backend: FaultInjectingBackend, loop_factory: Callable[[], Any]
 ) -> None:
     before = aiokv_threads()
     worker = make(cache, backend, loop_factory)
@@ -242,13 +238,13 @@ def test_close_finishes_pending_work_and_joins_the_loop_thread(
 
 
 def test_terminate_fails_queued_work_at_once_and_waits_for_the_call_in_flight(
-    cache: PagedCache, backend: ControlledBackend, loop_factory: Callable[[], Any]
+    cache: PagedCache, backend: FaultInjectingBackend, loop_factory: Callable[[], Any]
 ) -> None:
     before = aiokv_threads()
     worker = make(cache, backend, loop_factory, max_concurrent_batches=1)
-    with backend.blocked("batch_put"):
+    with backend.blocked("put"):
         running = worker.store(prompt(50, 2), consecutive(2))
-        wait_event(backend.entered("batch_put"))
+        wait_event(backend.entered("put"))
         queued = worker.store(prompt(51, 2), consecutive(2, start=20))
         terminating = threading.Thread(target=worker.terminate)
         terminating.start()

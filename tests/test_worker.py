@@ -1,8 +1,9 @@
 """KVWorker on MemoryBackend: real bytes through two KV-cache groups, dedupe, lookup and load semantics,
-one prepare_values per group per cycle, cancellation, deadlines, bad input, backend faults, lifecycle.
+one prepare_values per group per cycle, bad input, backend faults, starting and terminating early
+(cancellation, deadlines, close and terminate with work pending: test_lifecycle.py).
 
 Backend behaviour that a test must control (a call that blocks, a call that raises) comes from
-``ControlledBackend``, which delegates to a real MemoryBackend.
+aiokv.testing's ``FaultInjectingBackend``, which delegates to a real MemoryBackend.
 """
 
 from __future__ import annotations
@@ -27,26 +28,28 @@ from aiokv import (
     LoadResult,
     MemoryBackend,
     StoreResult,
-    TransferFuture,
-    TransferTimeoutError,
     WorkerClosedError,
 )
 from aiokv.backends.base import NO_SPACE, NOT_FOUND
+from aiokv.testing import (
+    SENTINEL,
+    FaultInjectingBackend,
+    PagedCache,
+    chunk_block_ids,
+    chunk_value,
+)
 
 from .helpers import (
-    SENTINEL,
     TWO_GROUP_SPECS,
     TWO_GROUPS_CHUNK_TOKENS,
-    ControlledBackend,
-    PagedCache,
     aiokv_threads,
-    chunk_block_ids,
+    assert_loaded,
     chunk_keys,
-    chunk_value,
     covers,
+    prompt,
     read_value,
-    same_blocks,
-    scattered_block_ids,
+    recording_backend,
+    scattered,
     wait_until,
 )
 
@@ -70,37 +73,19 @@ def dst() -> PagedCache:
 
 
 @pytest.fixture
-def backend() -> Iterator[ControlledBackend]:
-    b = ControlledBackend()
+def backend() -> Iterator[FaultInjectingBackend]:
+    b = recording_backend()
     yield b
     b.release()  # never leave an executor thread blocked behind a failed test
 
 
-def make_worker(cache: PagedCache, backend: ControlledBackend, **options: Any) -> KVWorker:
+def make_worker(cache: PagedCache, backend: FaultInjectingBackend, **options: Any) -> KVWorker:
     return KVWorker(cache.layouts, backend, namespace=NS, chunk_tokens=C, **options)
-
-
-def prompt(seed: int, chunks: int, extra: int = 0) -> list[int]:
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, 32_000, size=chunks * C + extra).tolist()
 
 
 def consecutive(chunks: int, start: int = 0) -> list[np.ndarray]:
     """Block tables whose chunks lie on consecutive physical blocks, from block ``start``."""
     return [np.arange(start, start + chunks * per, dtype=np.int64) for per in PER_CHUNK]
-
-
-def scattered(cache: PagedCache, chunks: int, seed: int, extra_blocks: int = 0) -> list[np.ndarray]:
-    """Random distinct block ids per group: chunk 0 on consecutive blocks, every other chunk scattered."""
-    rng = np.random.default_rng(seed)
-    tables = []
-    for g, per in enumerate(PER_CHUNK):
-        n = cache[g].num_blocks
-        start = int(rng.integers(0, n - per))
-        first = np.arange(start, start + per, dtype=np.int64)
-        rest = scattered_block_ids(rng, n, (chunks - 1) * per + extra_blocks, exclude=first.tolist())
-        tables.append(np.concatenate([first, rest]))
-    return tables
 
 
 def fragmented_chunks(ids: np.ndarray, per: int) -> int:
@@ -123,14 +108,6 @@ def chunk_bytes(cache: PagedCache) -> int:
     )
 
 
-def assert_loaded(
-    src: PagedCache, src_ids: list[np.ndarray], dst: PagedCache, dst_ids: list[np.ndarray], n: int
-):
-    """Chunks ``[0, n)`` of ``dst_ids`` hold the bytes of the same chunks of ``src_ids``."""
-    for g, per in enumerate(PER_CHUNK):
-        assert same_blocks(src[g], src_ids[g][: n * per], dst[g], dst_ids[g][: n * per]), f"group {g}"
-
-
 async def yield_loop(times: int = 20) -> None:
     for _ in range(times):
         await asyncio.sleep(0)
@@ -141,7 +118,7 @@ async def yield_loop(times: int = 20) -> None:
 
 @pytest.mark.asyncio
 async def test_round_trip_two_groups_scattered_blocks(
-    src: PagedCache, dst: PagedCache, backend: ControlledBackend
+    src: PagedCache, dst: PagedCache, backend: FaultInjectingBackend
 ) -> None:
     chunks = 6
     tokens = prompt(1, chunks, extra=C // 2 + 3)  # plus a partial chunk that is never stored
@@ -153,7 +130,7 @@ async def test_round_trip_two_groups_scattered_blocks(
 
     async with make_worker(src, backend) as worker:
         for layout in src.layouts:  # every region of every group is registered
-            assert all(covers(backend.registered, addr, size) for addr, size in layout.region_spans())
+            assert all(covers(backend.registered(), addr, size) for addr, size in layout.region_spans())
         stored = await worker.store(tokens, src_ids)
     assert isinstance(stored, StoreResult)
     assert (stored.stored, stored.skipped, stored.failed) == (chunks, 0, 0)
@@ -180,13 +157,12 @@ async def test_round_trip_two_groups_scattered_blocks(
         assert dst[g].written_blocks() == set(dst_ids[g][: chunks * per].tolist())
 
     # Backends are called from the worker's executor threads, never on the event loop's thread.
-    assert backend.calls["batch_put"] >= 2 and backend.calls["batch_get"] >= 2
-    protocol = ("register_buffer", "batch_exists", "batch_put", "batch_get")
-    threads = {r.thread for r in backend.records if r.op in protocol}
+    assert backend.count("put") >= 2 and backend.count("get") >= 2
+    threads = backend.threads_seen("register", "exists", "put", "get")
     assert threads and all(name.startswith("aiokv") for name in threads)
     assert threading.current_thread().name not in threads
     # Closing unregistered the memory, so the same cache can be opened again on the same backend.
-    assert backend.calls["unregister_buffer"] == backend.calls["register_buffer"]
+    assert backend.count("unregister") == backend.count("register")
     async with make_worker(src, backend) as worker:
         assert await worker.lookup(tokens) == chunks * C
 
@@ -195,25 +171,25 @@ async def test_round_trip_two_groups_scattered_blocks(
 
 
 @pytest.mark.asyncio
-async def test_second_store_skips_and_writes_nothing(src: PagedCache, backend: ControlledBackend) -> None:
+async def test_second_store_skips_and_writes_nothing(src: PagedCache, backend: FaultInjectingBackend) -> None:
     tokens = prompt(4, 3)
     async with make_worker(src, backend) as worker:
         first = await worker.store(tokens, consecutive(3))
-        put_keys = backend.keys_seen("batch_put")
+        put_keys = backend.keys_seen("put")
         second = await worker.store(tokens, consecutive(3, start=12))
-        assert backend.keys_seen("batch_put") == put_keys  # no put at all
+        assert backend.keys_seen("put") == put_keys  # no put at all
         longer = prompt(4, 3) + prompt(5, 2)  # same first 3 chunks, 2 new ones
         third = await worker.store(longer, consecutive(5))
     assert (first.stored, first.skipped, first.failed) == (3, 0, 0)
     assert (second.stored, second.skipped, second.failed) == (0, 3, 0)
     assert (third.stored, third.skipped, third.failed) == (2, 3, 0)
     assert sorted(put_keys) == sorted(all_keys(tokens, src))
-    assert Counter(backend.keys_seen("batch_put")) == Counter(all_keys(longer, src))  # each key once
+    assert Counter(backend.keys_seen("put")) == Counter(all_keys(longer, src))  # each key once
 
 
 @pytest.mark.asyncio
 async def test_concurrent_stores_in_one_batch_write_each_chunk_once(
-    src: PagedCache, backend: ControlledBackend
+    src: PagedCache, backend: FaultInjectingBackend
 ) -> None:
     tokens = prompt(6, 4)
     async with make_worker(src, backend) as worker:
@@ -221,28 +197,28 @@ async def test_concurrent_stores_in_one_batch_write_each_chunk_once(
         results = [await f for f in futures]
         assert worker.stats()["batches"] == 1
     assert sorted((r.stored, r.skipped, r.failed) for r in results) == [(0, 4, 0), (4, 0, 0)]
-    put = Counter(backend.keys_seen("batch_put"))
+    put = Counter(backend.keys_seen("put"))
     assert set(put) == all_keys(tokens, src) and set(put.values()) == {1}
 
 
 @pytest.mark.asyncio
 async def test_concurrent_stores_in_overlapping_batches_write_each_chunk_once(
-    src: PagedCache, backend: ControlledBackend
+    src: PagedCache, backend: FaultInjectingBackend
 ) -> None:
     tokens = prompt(8, 4)
     async with make_worker(src, backend) as worker:
-        with backend.blocked("batch_put"):
+        with backend.blocked("put"):
             first = worker.store(tokens, consecutive(4))
-            await wait_until(backend.entered("batch_put").is_set)
+            await wait_until(backend.entered("put").is_set)
             second = worker.store(tokens, consecutive(4, start=16))  # a second batch, same chunks
-            await wait_until(lambda: backend.calls["batch_exists"] == 2)
+            await wait_until(lambda: backend.count("exists") == 2)
             await yield_loop()
             # The second request cannot report the chunks as stored before the writer has written them.
             assert not second.done() and not first.done()
             backend.release()
         results = [await first, await second]
     assert [(r.stored, r.skipped, r.failed) for r in results] == [(4, 0, 0), (0, 4, 0)]
-    put = Counter(backend.keys_seen("batch_put"))
+    put = Counter(backend.keys_seen("put"))
     assert set(put) == all_keys(tokens, src) and set(put.values()) == {1}
 
 
@@ -251,7 +227,7 @@ async def test_concurrent_stores_in_overlapping_batches_write_each_chunk_once(
 
 @pytest.mark.asyncio
 async def test_lookup_is_the_prefix_present_in_every_group(
-    src: PagedCache, backend: ControlledBackend
+    src: PagedCache, backend: FaultInjectingBackend
 ) -> None:
     tokens = prompt(9, 4)
     async with make_worker(src, backend) as worker:
@@ -280,7 +256,7 @@ async def test_lookup_is_the_prefix_present_in_every_group(
 
 @pytest.mark.asyncio
 async def test_load_with_a_missing_chunk_fails_exactly_its_blocks_and_later_ones(
-    src: PagedCache, dst: PagedCache, backend: ControlledBackend
+    src: PagedCache, dst: PagedCache, backend: FaultInjectingBackend
 ) -> None:
     chunks = 5
     tokens = prompt(12, chunks)
@@ -290,7 +266,7 @@ async def test_load_with_a_missing_chunk_fails_exactly_its_blocks_and_later_ones
         await worker.store(tokens, src_ids)
     missing = keys_of(tokens, src)[0][2]  # chunk 2, group 0 only
     assert backend.inner.batch_remove([missing]) == [0]
-    backend.reset_records()
+    backend.clear_calls()
     async with make_worker(dst, backend) as worker:
         result = await worker.load(tokens + prompt(15, 0, extra=10), dst_ids)
     assert result.loaded_tokens == 2 * C
@@ -308,12 +284,12 @@ async def test_load_with_a_missing_chunk_fails_exactly_its_blocks_and_later_ones
         assert dst[g].untouched(outside)
         assert set(dst_ids[g][chunks * per :].tolist()) <= set(outside)
     loaded_keys = {k for keys in keys_of(tokens, src) for k in keys[:2]}
-    assert set(backend.keys_seen("batch_get")) == loaded_keys
+    assert set(backend.keys_seen("get")) == loaded_keys
 
 
 @pytest.mark.asyncio
 async def test_load_of_an_unknown_prompt_fails_every_block_and_moves_nothing(
-    dst: PagedCache, backend: ControlledBackend
+    dst: PagedCache, backend: FaultInjectingBackend
 ) -> None:
     dst_ids = scattered(dst, 3, seed=16)
     async with make_worker(dst, backend) as worker:
@@ -322,7 +298,7 @@ async def test_load_of_an_unknown_prompt_fails_every_block_and_moves_nothing(
     assert result.loaded_tokens == 0 and result.loaded_chunks == 0
     assert result.failed_block_ids == tuple(tuple(ids.tolist()) for ids in dst_ids)
     assert (empty.loaded_tokens, empty.failed_block_ids) == (0, ((), ()))
-    assert backend.calls["batch_get"] == 0
+    assert backend.count("get") == 0
     assert all(dst[g].written_blocks() == set() for g in range(len(SPECS)))
 
 
@@ -331,7 +307,7 @@ async def test_load_of_an_unknown_prompt_fails_every_block_and_moves_nothing(
 
 @pytest.mark.asyncio
 async def test_prepare_values_is_called_once_per_group_per_cycle(
-    src: PagedCache, dst: PagedCache, backend: ControlledBackend, monkeypatch: pytest.MonkeyPatch
+    src: PagedCache, dst: PagedCache, backend: FaultInjectingBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: Counter[int] = Counter()
     lock = threading.Lock()
@@ -358,7 +334,7 @@ async def test_prepare_values_is_called_once_per_group_per_cycle(
         results = [await f for f in futures]
         assert worker.stats()["batches"] == 1
     assert [(r.stored, r.failed) for r in results] == [(chunks, 0)] * requests
-    assert len(backend.keys_seen("batch_put")) == requests * chunks * len(SPECS)
+    assert len(backend.keys_seen("put")) == requests * chunks * len(SPECS)
     assert calls == Counter({id(layout): 1 for layout in src.layouts})
 
     calls.clear()
@@ -377,165 +353,16 @@ async def test_prepare_values_is_called_once_per_group_per_cycle(
         assert_loaded(src, src_ids[r], dst, dst_ids[r], chunks)
 
 
-# -- cancellation ---------------------------------------------------------------------------------------
-
-
-@pytest.mark.asyncio
-async def test_cancel_of_a_queued_request_is_immediate_and_reaches_no_backend(
-    src: PagedCache, backend: ControlledBackend
-) -> None:
-    cancelled_tokens, other = prompt(20, 3), prompt(21, 3)
-    async with make_worker(src, backend) as worker:
-        store = worker.store(cancelled_tokens, consecutive(3))
-        load = worker.load(cancelled_tokens, consecutive(3, start=12))
-        assert isinstance(store, TransferFuture) and store.request_id != load.request_id
-        for future in (store, load):
-            assert future.cancel() is True
-            assert future.done() and future.cancelled()
-            assert future.cancel() is False
-            with pytest.raises(asyncio.CancelledError):
-                future.result()
-        with pytest.raises(asyncio.CancelledError):
-            await store
-        result = await worker.store(other, consecutive(3))
-        assert worker.stats()["requests_cancelled"] == {"store": 1, "load": 1}
-    assert result.stored == 3
-    assert backend.all_keys_seen() == all_keys(other, src)  # nothing of the cancelled requests
-
-
-@pytest.mark.asyncio
-async def test_cancel_before_any_call_on_its_memory_is_immediate(
-    src: PagedCache, backend: ControlledBackend
-) -> None:
-    """batch_exists touches no caller memory: a request cancelled during it finishes at once."""
-    tokens = prompt(22, 3)
-    async with make_worker(src, backend) as worker:
-        with backend.blocked("batch_exists"):
-            future = worker.store(tokens, consecutive(3))
-            await wait_until(backend.entered("batch_exists").is_set)
-            assert future.cancel() is True
-            assert future.done() and future.cancelled()
-            backend.release()
-        after = await worker.store(prompt(23, 1), consecutive(1))
-    assert after.stored == 1
-    assert not set(backend.keys_seen("batch_put")) & all_keys(tokens, src)
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("op", ["batch_put", "batch_get"])
-async def test_cancel_inside_a_backend_call_completes_only_when_the_call_returns(
-    src: PagedCache, dst: PagedCache, backend: ControlledBackend, op: str
-) -> None:
-    tokens = prompt(24, 3)
-    async with make_worker(src, backend) as source, make_worker(dst, backend) as target:
-        if op == "batch_get":
-            await source.store(tokens, consecutive(3))
-        with backend.blocked(op):
-            future = (
-                source.store(tokens, consecutive(3))
-                if op == "batch_put"
-                else target.load(tokens, consecutive(3))
-            )
-            await wait_until(backend.entered(op).is_set)
-            assert future.cancel() is True
-            await yield_loop()
-            await asyncio.sleep(0.02)
-            assert not future.done() and not future.cancelled()  # the backend still holds its memory
-            backend.release()
-        await wait_until(future.done)
-        assert future.cancelled()
-        with pytest.raises(asyncio.CancelledError):
-            await future
-        kind = "store" if op == "batch_put" else "load"
-        assert (
-            source.stats()["requests_cancelled"].get(kind, 0)
-            + target.stats()["requests_cancelled"].get(kind, 0)
-            == 1
-        )
-        # The worker keeps serving.
-        again = await source.store(prompt(25, 2), consecutive(2, start=20))
-    assert again.stored == 2
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("op", ["batch_put", "batch_get"])
-async def test_wait_for_timeout_does_not_stop_the_transfer(
-    src: PagedCache, dst: PagedCache, backend: ControlledBackend, op: str
-) -> None:
-    tokens = prompt(26, 3)
-    src_ids, dst_ids = scattered(src, 3, seed=27), scattered(dst, 3, seed=28)
-    async with make_worker(src, backend) as source, make_worker(dst, backend) as target:
-        if op == "batch_get":
-            await source.store(tokens, src_ids)
-        with backend.blocked(op):
-            future = source.store(tokens, src_ids) if op == "batch_put" else target.load(tokens, dst_ids)
-            await wait_until(backend.entered(op).is_set)
-            with pytest.raises(TimeoutError):
-                await asyncio.wait_for(future, 0.02)
-            assert not future.done() and not future.cancelled()
-            backend.release()
-        result = await future
-        if op == "batch_put":
-            assert (result.stored, result.failed) == (3, 0)
-            assert await target.lookup(tokens) == 3 * C
-        else:
-            assert result.loaded_tokens == 3 * C
-            assert_loaded(src, src_ids, dst, dst_ids, 3)
-
-
-# -- deadlines ------------------------------------------------------------------------------------------
-
-
-@pytest.mark.asyncio
-async def test_deadline_of_a_queued_request_fails_it_at_once(
-    src: PagedCache, backend: ControlledBackend
-) -> None:
-    first, late = prompt(30, 2), prompt(31, 2)
-    async with make_worker(src, backend, max_concurrent_batches=1) as worker:
-        with backend.blocked("batch_put"):
-            running = worker.store(first, consecutive(2))
-            await wait_until(backend.entered("batch_put").is_set)
-            queued = worker.store(late, consecutive(2, start=16), timeout=0.05)
-            await wait_until(queued.done)  # while the first request is still blocked in the backend
-            assert not running.done()
-            error = queued.exception()
-            assert isinstance(error, TransferTimeoutError) and isinstance(error, TimeoutError)
-            with pytest.raises(TransferTimeoutError):
-                await queued
-            backend.release()
-        assert (await running).stored == 2
-        assert await worker.lookup(late) == 0
-        assert worker.stats()["requests_failed"] == {"store": 1}
-    assert not set(backend.keys_seen("batch_put")) & all_keys(late, src)
-
-
-@pytest.mark.asyncio
-async def test_deadline_inside_a_backend_call_fails_only_after_the_call(
-    src: PagedCache, backend: ControlledBackend
-) -> None:
-    tokens = prompt(32, 2)
-    async with make_worker(src, backend) as worker:
-        with backend.blocked("batch_put"):
-            future = worker.store(tokens, consecutive(2), timeout=0.5)
-            await wait_until(backend.entered("batch_put").is_set)
-            await asyncio.sleep(0.5)  # the deadline has passed (it was set before the call began)
-            assert not future.done()
-            backend.release()
-        with pytest.raises(TransferTimeoutError):
-            await future
-        assert (await worker.store(prompt(33, 1), consecutive(1, start=30))).stored == 1
-
-
 # -- bad input ------------------------------------------------------------------------------------------
 
 
 def test_misaligned_chunk_tokens_are_refused_at_construction(src: PagedCache) -> None:
-    backend = ControlledBackend()
+    backend = recording_backend()
     for chunk_tokens in (48, 16, 0, -64):  # 48 and 16 are not multiples of group 1's 32-token blocks
         with pytest.raises(ValueError):
             KVWorker(src.layouts, backend, namespace=NS, chunk_tokens=chunk_tokens)
     KVWorker(src.layouts, backend, namespace=NS, chunk_tokens=96)  # 96 = 6 x 16 = 3 x 32
-    assert sum(backend.calls.values()) == 0
+    assert backend.count() == 0
 
 
 def _bad_block_tables() -> dict[str, Any]:
@@ -556,16 +383,16 @@ def _bad_block_tables() -> dict[str, Any]:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("case", sorted(_bad_block_tables()))
 async def test_bad_block_ids_raise_before_anything_reaches_the_backend(
-    src: PagedCache, backend: ControlledBackend, case: str
+    src: PagedCache, backend: FaultInjectingBackend, case: str
 ) -> None:
     tokens = prompt(40, 2)
     table = _bad_block_tables()[case]
     async with make_worker(src, backend) as worker:
-        backend.reset_records()
+        backend.clear_calls()
         for submit in (worker.store, worker.load):
             with pytest.raises(ValueError):
                 submit(tokens, table)
-        assert sum(backend.calls.values()) == 0
+        assert backend.count() == 0
         assert worker.stats()["requests"] == {}
         result = await worker.store(tokens, consecutive(2))  # the worker keeps serving
     assert (result.stored, result.failed) == (2, 0)
@@ -573,7 +400,7 @@ async def test_bad_block_ids_raise_before_anything_reaches_the_backend(
 
 @pytest.mark.asyncio
 async def test_bad_token_values_fail_the_future_and_nothing_reaches_the_backend(
-    src: PagedCache, backend: ControlledBackend
+    src: PagedCache, backend: FaultInjectingBackend
 ) -> None:
     good = prompt(41, 2)
     bad_prompts = [
@@ -584,7 +411,7 @@ async def test_bad_token_values_fail_the_future_and_nothing_reaches_the_backend(
         [float(t) for t in good],
     ]
     async with make_worker(src, backend) as worker:
-        backend.reset_records()
+        backend.clear_calls()
         failing = [worker.store(t, consecutive(2)) for t in bad_prompts]
         failing += [worker.load(t, consecutive(2, start=20)) for t in bad_prompts]
         fine = worker.store(good, consecutive(2))  # in the same batch as the bad ones
@@ -601,16 +428,16 @@ async def test_bad_token_values_fail_the_future_and_nothing_reaches_the_backend(
             "load": len(bad_prompts),
             "lookup": len(bad_prompts),
         }
-    assert backend.all_keys_seen() == all_keys(good, src)
+    assert set(backend.keys_seen()) == all_keys(good, src)
 
 
 @pytest.mark.asyncio
 async def test_bad_arguments_of_other_kinds_raise_at_submit(
-    src: PagedCache, backend: ControlledBackend
+    src: PagedCache, backend: FaultInjectingBackend
 ) -> None:
     tokens = prompt(42, 2)
     async with make_worker(src, backend) as worker:
-        backend.reset_records()
+        backend.clear_calls()
         with pytest.raises(ValueError):
             worker.store(HashedPrompt.from_tokens(tokens, 2 * C), consecutive(1))  # chunked otherwise
         with pytest.raises(ValueError):
@@ -623,7 +450,7 @@ async def test_bad_arguments_of_other_kinds_raise_at_submit(
             worker.store("not tokens", consecutive(2))
         with pytest.raises(TypeError):
             worker.store(tokens, None)  # type: ignore[arg-type]
-        assert sum(backend.calls.values()) == 0
+        assert backend.count() == 0
         assert (await worker.store(tokens, consecutive(2))).stored == 2
 
 
@@ -631,35 +458,33 @@ async def test_bad_arguments_of_other_kinds_raise_at_submit(
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("op", ["batch_exists", "batch_put", "batch_get"])
+@pytest.mark.parametrize("op", ["exists", "put", "get"])
 async def test_a_backend_exception_fails_only_its_batch_with_a_chained_aiokv_error(
-    src: PagedCache, dst: PagedCache, backend: ControlledBackend, op: str
+    src: PagedCache, dst: PagedCache, backend: FaultInjectingBackend, op: str
 ) -> None:
     tokens, other = prompt(50, 2), prompt(51, 2)
     src_ids, dst_ids = consecutive(2), consecutive(2, start=10)
     boom = RuntimeError(f"{op} exploded")
     async with make_worker(src, backend) as source, make_worker(dst, backend) as target:
-        if op == "batch_get":
+        if op == "get":
             await source.store(tokens, src_ids)
             await source.store(other, src_ids)
         # Consecutive blocks: one call per group per batch, both requests in each; fail both calls.
-        backend.fail(op, boom, times=1 if op == "batch_exists" else len(SPECS))
-        calls_before = backend.calls[op]
-        worker = target if op == "batch_get" else source
-        submit = worker.load if op == "batch_get" else worker.store
-        ids = dst_ids if op == "batch_get" else src_ids
+        backend.fail(op, boom, times=1 if op == "exists" else len(SPECS))
+        calls_before = backend.count(op)
+        worker = target if op == "get" else source
+        submit = worker.load if op == "get" else worker.store
+        ids = dst_ids if op == "get" else src_ids
         failed = [submit(tokens, ids), submit(other, consecutive(2, start=20))]
         for future in failed:
             with pytest.raises(BackendError) as info:
                 await future
             assert info.value.__cause__ is boom
             assert isinstance(info.value, AiokvError)
-        assert backend.calls[op] - calls_before == (1 if op == "batch_exists" else len(SPECS))
-        assert worker.stats()["backend_exceptions"] == {
-            op.removeprefix("batch_"): backend.calls[op] - calls_before
-        }
+        assert backend.count(op) - calls_before == (1 if op == "exists" else len(SPECS))
+        assert worker.stats()["backend_exceptions"] == {op: backend.count(op) - calls_before}
         # The next request succeeds (no stale claim or state from the failed batch).
-        if op == "batch_get":
+        if op == "get":
             assert dst[0].written_blocks() == set()  # the failed reads wrote nothing
             result = await target.load(tokens, dst_ids)
             assert result.loaded_tokens == 2 * C
@@ -674,107 +499,8 @@ async def test_a_backend_exception_fails_only_its_batch_with_a_chained_aiokv_err
 
 
 @pytest.mark.asyncio
-async def test_graceful_close_finishes_every_pending_future(
-    src: PagedCache, dst: PagedCache, backend: ControlledBackend
-) -> None:
-    prompts = [prompt(60 + i, 2) for i in range(5)]
-    worker = make_worker(src, backend)
-    await worker.start()
-    stores = [worker.store(t, consecutive(2, start=2 * i)) for i, t in enumerate(prompts)]
-    await worker.close()  # nothing awaited before
-    assert worker.closed
-    assert all(f.done() for f in stores)
-    assert [(f.result().stored, f.result().failed) for f in stores] == [(2, 0)] * 5
-    assert len(backend.inner) == 5 * 2 * len(SPECS)
-
-    # Also while a backend call is blocked: close waits for it, then every future is done.
-    worker = make_worker(dst, backend)
-    await worker.start()
-    with backend.blocked("batch_get"):
-        loads = [worker.load(t, consecutive(2, start=8 * i)) for i, t in enumerate(prompts[:3])]
-        await wait_until(backend.entered("batch_get").is_set)
-        more = worker.store(prompt(70, 1), consecutive(1, start=30))
-        closing = asyncio.create_task(worker.close())
-        await yield_loop()
-        await asyncio.sleep(0.02)
-        assert not closing.done() and not any(f.done() for f in loads)
-        with pytest.raises(WorkerClosedError):
-            worker.store(prompt(71, 1), consecutive(1))
-        backend.release()
-    await closing
-    assert [f.result().loaded_tokens for f in loads] == [2 * C] * 3
-    assert more.result().stored == 1
-    for i in range(3):
-        assert_loaded(src, consecutive(2, start=2 * i), dst, consecutive(2, start=8 * i), 2)
-
-
-@pytest.mark.asyncio
-async def test_close_with_a_timeout_still_waits_for_calls_in_flight(
-    src: PagedCache, backend: ControlledBackend
-) -> None:
-    before = aiokv_threads()
-    tokens = prompt(72, 2)
-    worker = make_worker(src, backend, max_concurrent_batches=1)
-    await worker.start()
-    with backend.blocked("batch_put"):
-        running = worker.store(tokens, consecutive(2))
-        await wait_until(lambda: backend.calls["batch_put"] == len(SPECS))  # both groups' calls are inside
-        queued = worker.store(prompt(73, 2), consecutive(2, start=20))
-        closing = asyncio.create_task(worker.close(timeout=0.05))
-        await wait_until(queued.done)  # the timeout passed: queued work was failed
-        assert isinstance(queued.exception(), WorkerClosedError)
-        await yield_loop()
-        assert not running.done() and not closing.done()
-        backend.release()
-    await closing
-    assert running.result().stored == 2  # its calls ran to the end
-    assert asyncio.all_tasks() == {asyncio.current_task()}
-    assert not aiokv_threads() - before
-
-
-@pytest.mark.asyncio
-async def test_terminate_fails_queued_work_and_leaves_no_task_or_thread(
-    src: PagedCache, backend: ControlledBackend
-) -> None:
-    before = aiokv_threads()
-    tokens, queued_tokens = prompt(80, 2), prompt(81, 2)
-    # One executor thread: the second group's put waits in the executor behind the blocked first one.
-    worker = make_worker(src, backend, max_concurrent_batches=1, executor_threads=1)
-    await worker.start()
-    assert aiokv_threads() - before  # the worker's threads exist while it runs
-    with backend.blocked("batch_put"):
-        running = worker.store(tokens, consecutive(2))
-        await wait_until(backend.entered("batch_put").is_set)
-        queued = [
-            worker.store(queued_tokens, consecutive(2, start=20)),
-            worker.load(queued_tokens, consecutive(2)),
-        ]
-        # Lookups run on the control lane: answered although the only transfer thread is stuck.
-        assert await asyncio.wait_for(worker.lookup(prompt(82, 2)), 10) == 0
-
-        worker.terminate()
-        for future in queued:
-            assert future.done()
-            assert isinstance(future.exception(), WorkerClosedError)
-        with pytest.raises(WorkerClosedError):
-            await worker.lookup(queued_tokens)
-        with pytest.raises(WorkerClosedError):
-            worker.store(tokens, consecutive(2))
-        assert not running.done()  # its memory is in use until the blocked call returns
-        backend.release()
-    await worker.wait_closed()
-    # Finished, though one of its calls never ran: it fails, naming the termination.
-    assert running.done()
-    error = running.exception()
-    assert isinstance(error, WorkerClosedError) or isinstance(error.__cause__, WorkerClosedError)
-    assert asyncio.all_tasks() == {asyncio.current_task()}
-    assert not aiokv_threads() - before
-    assert not backend.all_keys_seen() & all_keys(queued_tokens, src)
-
-
-@pytest.mark.asyncio
 async def test_terminate_before_the_dispatcher_runs_fails_everything_at_once(
-    src: PagedCache, backend: ControlledBackend
+    src: PagedCache, backend: FaultInjectingBackend
 ) -> None:
     before = aiokv_threads()
     worker = make_worker(src, backend)
@@ -784,13 +510,15 @@ async def test_terminate_before_the_dispatcher_runs_fails_everything_at_once(
     assert all(isinstance(f.exception(), WorkerClosedError) for f in futures)
     await worker.wait_closed()
     assert worker.closed
-    assert backend.calls["batch_exists"] == 0 and backend.calls["batch_put"] == 0
+    assert backend.count("exists") == 0 and backend.count("put") == 0
     assert asyncio.all_tasks() == {asyncio.current_task()}
     assert not aiokv_threads() - before
 
 
 @pytest.mark.asyncio
-async def test_submit_before_start_or_after_close_raises(src: PagedCache, backend: ControlledBackend) -> None:
+async def test_submit_before_start_or_after_close_raises(
+    src: PagedCache, backend: FaultInjectingBackend
+) -> None:
     tokens = prompt(90, 1)
     worker = make_worker(src, backend)
     with pytest.raises(WorkerClosedError):
@@ -811,14 +539,14 @@ async def test_submit_before_start_or_after_close_raises(src: PagedCache, backen
 
 @pytest.mark.asyncio
 async def test_hashed_prompt_is_the_same_as_token_ids(
-    src: PagedCache, dst: PagedCache, backend: ControlledBackend
+    src: PagedCache, dst: PagedCache, backend: FaultInjectingBackend
 ) -> None:
     tokens = prompt(91, 3, extra=5)
     hashed = HashedPrompt.from_tokens(tokens, C)
     assert hashed.num_tokens == 3 * C
     async with make_worker(src, backend) as worker:
         first = await worker.store(hashed, consecutive(3))
-        assert sorted(backend.keys_seen("batch_put")) == sorted(all_keys(tokens, src))
+        assert sorted(backend.keys_seen("put")) == sorted(all_keys(tokens, src))
         same = [
             await worker.store(tokens, consecutive(3)),
             await worker.store(np.asarray(tokens, dtype=np.int64), consecutive(3)),
@@ -836,7 +564,7 @@ async def test_hashed_prompt_is_the_same_as_token_ids(
 
 @pytest.mark.asyncio
 async def test_stats_count_what_happened(
-    src: PagedCache, dst: PagedCache, backend: ControlledBackend
+    src: PagedCache, dst: PagedCache, backend: FaultInjectingBackend
 ) -> None:
     tokens = prompt(93, 3)
     async with make_worker(src, backend) as worker:
@@ -856,11 +584,11 @@ async def test_stats_count_what_happened(
     assert stats["chunks"] == {"stored": 3, "skipped": 3, "failed": 0, "loaded": 3, "load_failed": 0}
     assert stats["bytes"] == {"put": 3 * chunk_bytes(src), "get": 3 * chunk_bytes(src)}
     assert stats["backend_calls"] == {
-        "exists": backend.calls["batch_exists"],
-        "put": backend.calls["batch_put"],
-        "get": backend.calls["batch_get"],
+        "exists": backend.count("exists"),
+        "put": backend.count("put"),
+        "get": backend.count("get"),
     }
-    assert backend.calls["batch_exists"] == 4  # two stores, one lookup, one load
+    assert backend.count("exists") == 4  # two stores, one lookup, one load
     assert stats["backend_errors"] == {} and stats["backend_exceptions"] == {}
     assert stats["latency"]["store"].count == 4 and stats["latency"]["load"].count == 1
 
@@ -869,13 +597,13 @@ async def test_stats_count_what_happened(
 async def test_a_full_store_fails_the_chunks_that_do_not_fit_and_backs_off(src: PagedCache) -> None:
     layout = src.layouts[0]  # one group, so the order in which chunks reach the store is fixed
     chunk = layout.chunk_bytes_per_block * PER_CHUNK[0]
-    backend = ControlledBackend(inner=MemoryBackend(capacity_bytes=3 * chunk))
+    backend = FaultInjectingBackend(MemoryBackend(capacity_bytes=3 * chunk))
     tokens = prompt(96, 5)
     async with KVWorker(layout, backend, namespace=NS, chunk_tokens=C, pressure_backoff_s=60) as worker:
         full = await worker.store(tokens, consecutive(5)[:1])
-        puts = backend.calls["batch_put"]
+        puts = backend.count("put")
         during_backoff = await worker.store(prompt(97, 2), consecutive(2)[:1])
-        assert backend.calls["batch_put"] == puts  # no put while backing off
+        assert backend.count("put") == puts  # no put while backing off
         assert await worker.lookup(tokens) == 3 * C  # nothing already stored was evicted
         stats = worker.stats()
     assert (full.stored, full.skipped, full.failed) == (3, 0, 2)
@@ -891,7 +619,7 @@ def test_aiokv_run_uses_uvloop_when_installed(src: PagedCache) -> None:
     tokens = prompt(98, 2)
 
     async def main() -> tuple[str, int, int]:
-        async with make_worker(src, ControlledBackend()) as worker:
+        async with make_worker(src, recording_backend()) as worker:
             stored = await worker.store(tokens, consecutive(2))
             return type(asyncio.get_running_loop()).__module__, stored.stored, await worker.lookup(tokens)
 

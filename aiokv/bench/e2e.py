@@ -13,10 +13,8 @@ A ticker task measures event-loop lag during every timed run; CPU is the process
 request. Bytes are checked once before anything is timed (worker store -> worker load and direct get
 reproduce the source blocks), and every timed call's result is checked (all chunks moved).
 
-On the Mooncake backend, the GIL-held pieces of a request are also timed in isolation, on the exact
-sub-batches the worker passes: ``prepare`` (``regions_for_chunks``), the backend's checks and list
-building, and the binding's argument conversion (a call with one key and every region list, which
-the binding converts and then refuses with -600 without transferring anything).
+On the Mooncake backend, the GIL-held time of one request is also bounded, on the exact calls the
+worker makes (see :mod:`aiokv.bench.gil`).
 """
 
 from __future__ import annotations
@@ -36,99 +34,20 @@ import numpy as np
 
 from .._arrays import IntArray
 from ..backends.base import Backend
-from ..keys import KeyNamespace, chunk_hashes
-from ..layout import KVLayout, RegionBatch
-from ..worker import DEFAULT_REGIONS_PER_CALL, KVWorker
-from .loop_lag import _measure
+from ..keys import HashedPrompt, KeyNamespace, chunk_hashes
+from ..layout import KVLayout
+from ..testing.paged_cache import GroupCache, same_blocks
+from ..worker import KVWorker
+from .geometry import Geometry
+from .gil import mooncake_gil_breakdown
+from .loop_lag import measure_loop_lag
 
 logger = logging.getLogger(__name__)
 
 Progress = Callable[[str], None]
+Run = tuple[list[float], float, float]  # one measured run: loop lags (ms), CPU s, wall s
 
-# The block length the e2e part picks by default: the largest power of two up to this whose working
-# set fits the budget (a real bf16 block of 8 heads x 128 dims x 128 tokens is 256 KiB per region,
-# which at 289K tokens x 96 regions would be ~58 GB per prompt).
-MAX_AUTO_BLOCK_BYTES = 16 << 10
-MIN_AUTO_BLOCK_BYTES = 64
-DEFAULT_E2E_BUDGET_BYTES = 3 << 30
 _VOCAB = 128_000
-
-
-@dataclass(frozen=True, slots=True)
-class Geometry:
-    """Sizes of the end-to-end scenario."""
-
-    tokens: int  # tokens per prompt, whole chunks only
-    block_size: int
-    regions: int
-    chunk_tokens: int
-    block_bytes: int
-    concurrency: int
-
-    @property
-    def chunks(self) -> int:
-        return self.tokens // self.chunk_tokens
-
-    @property
-    def blocks_per_chunk(self) -> int:
-        return self.chunk_tokens // self.block_size
-
-    @property
-    def prompt_blocks(self) -> int:
-        return self.chunks * self.blocks_per_chunk
-
-    @property
-    def prompt_bytes(self) -> int:
-        """Bytes of one prompt's KV (every region of every block)."""
-        return self.prompt_blocks * self.regions * self.block_bytes
-
-    @property
-    def num_blocks(self) -> int:
-        """The cache: one source set plus one destination set per concurrent load."""
-        return (1 + self.concurrency) * self.prompt_blocks
-
-    @property
-    def cache_bytes(self) -> int:
-        return self.num_blocks * self.regions * self.block_bytes
-
-    @property
-    def store_bytes(self) -> int:
-        """Peak bytes in the store: one prompt per concurrent request."""
-        return self.concurrency * self.prompt_bytes
-
-    @property
-    def working_set_bytes(self) -> int:
-        return self.cache_bytes + self.store_bytes
-
-
-def working_set_bytes(
-    tokens: int, block_size: int, regions: int, chunk_tokens: int, concurrency: int, block_bytes: int
-) -> int:
-    whole = tokens // chunk_tokens * chunk_tokens
-    return Geometry(whole, block_size, regions, chunk_tokens, block_bytes, concurrency).working_set_bytes
-
-
-def choose_block_bytes(
-    tokens: int,
-    block_size: int,
-    regions: int,
-    chunk_tokens: int,
-    concurrency: int,
-    budget_bytes: int = DEFAULT_E2E_BUDGET_BYTES,
-) -> int:
-    """The largest power of two <= 16 KiB whose e2e working set fits ``budget_bytes`` (at least 64)."""
-    block_bytes = MAX_AUTO_BLOCK_BYTES
-    while block_bytes > MIN_AUTO_BLOCK_BYTES and (
-        working_set_bytes(tokens, block_size, regions, chunk_tokens, concurrency, block_bytes) > budget_bytes
-    ):
-        block_bytes //= 2
-    return block_bytes
-
-
-def store_capacity_bytes(geometry: Geometry) -> int:
-    """Store capacity for the run: the peak plus room for allocator overhead (Mooncake's segment
-    evicts in the background as it nears full, which would make stored prompts vanish)."""
-    return int(geometry.store_bytes * 1.3) + (64 << 20)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,22 +66,23 @@ class PathFigures:
 
 
 class _Cache:
-    """The engine's paged KV cache: ``regions`` uint8 arrays of ``(num_blocks, block_bytes)``."""
+    """The engine's paged KV cache (one group of ``regions``), with the source block set and one
+    destination set per concurrent load."""
 
     def __init__(self, geometry: Geometry, seed: int) -> None:
         g = geometry
         rng = np.random.default_rng(seed)
-        self.arrays = []
-        for _ in range(g.regions):
-            array = np.zeros((g.num_blocks, g.block_bytes), dtype=np.uint8)
-            # Only the source set holds data; destination pages are touched by the warm-up round.
-            array[: g.prompt_blocks] = rng.integers(
-                0, 256, size=(g.prompt_blocks, g.block_bytes), dtype=np.uint8
-            )
-            self.arrays.append(array)
-        self.layout = KVLayout(
-            [a.ctypes.data for a in self.arrays], [g.block_bytes], g.block_size, g.num_blocks, dtype="uint8"
+        self.blocks = GroupCache.allocate(
+            num_regions=g.regions,
+            num_blocks=g.num_blocks,
+            block_size=g.block_size,
+            block_lens=g.block_bytes,
+            fill=0,
+            dtype="uint8",
         )
+        # Only the source set holds data; destination pages are touched by the warm-up round.
+        self.blocks.randomize(np.arange(g.prompt_blocks, dtype=np.int64), rng)
+        self.layout = self.blocks.layout
         per_chunk = g.blocks_per_chunk
 
         def block_set(index: int) -> IntArray:
@@ -176,11 +96,10 @@ class _Cache:
         self.dest_ids = [block_set(1 + i) for i in range(g.concurrency)]
 
     def same_blocks(self, ids_a: IntArray, ids_b: IntArray) -> bool:
-        return all(np.array_equal(a[ids_a], a[ids_b]) for a in self.arrays)
+        return same_blocks(self.blocks, ids_a, self.blocks, ids_b)
 
     def clear(self, ids: IntArray) -> None:
-        for array in self.arrays:
-            array[ids] = 0
+        self.blocks.fill(0, ids)
 
 
 @dataclass(slots=True)
@@ -317,7 +236,8 @@ class _Bench:
         return 2 * self.g.prompt_bytes
 
     async def stores(self, worker: KVWorker, concurrency: int) -> dict[str, PathFigures]:
-        worker_runs, direct_runs = [], []
+        worker_runs: list[Run] = []
+        direct_runs: list[Run] = []
         for r in range(self.rounds + 1):
             requests = [self.prepared(self.cache.source_ids) for _ in range(concurrency)]
             keys = [k for req in requests for k in req.keys]
@@ -330,7 +250,7 @@ class _Bench:
 
             # Alternate which path goes first, so neither always meets a just-emptied store.
             for path in ("worker", "direct") if r % 2 == 0 else ("direct", "worker"):
-                run = await _measure(through_worker if path == "worker" else direct)
+                run = await measure_loop_lag(through_worker if path == "worker" else direct)
                 await self.in_thread(self.remove, keys)
                 if r:  # round 0 warms up pages, allocator and threads
                     (worker_runs if path == "worker" else direct_runs).append(run)
@@ -353,10 +273,11 @@ class _Bench:
         async def direct() -> None:
             await asyncio.gather(*(self.in_thread(self.direct_get, req) for req in requests))
 
-        worker_runs, direct_runs = [], []
+        worker_runs: list[Run] = []
+        direct_runs: list[Run] = []
         for r in range(self.rounds + 1):
             for path in ("worker", "direct") if r % 2 == 0 else ("direct", "worker"):
-                run = await _measure(through_worker if path == "worker" else direct)
+                run = await measure_loop_lag(through_worker if path == "worker" else direct)
                 if r:
                     (worker_runs if path == "worker" else direct_runs).append(run)
         await self.in_thread(self.remove, [k for req in sources for k in req.keys])
@@ -364,74 +285,6 @@ class _Bench:
             "worker": _summarise(worker_runs, concurrency, self.g.prompt_bytes),
             "direct": _summarise(direct_runs, concurrency, self.g.prompt_bytes),
         }
-
-
-def _best_ms(fn: Callable[[], object], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best * 1e3
-
-
-def mooncake_gil_breakdown(
-    backend: Any, layout: KVLayout, matrix: IntArray, keys: list[str], max_regions_per_call: int, repeats: int
-) -> dict[str, Any]:
-    """GIL-held pieces of one request on the Mooncake path, in ms (best of ``repeats`` each).
-
-    ``prepare``: ``regions_for_chunks`` for the request's chunks; then, summed over the sub-batches of
-    at most ``max_regions_per_call`` regions the worker makes: ``checks`` (``RegionTable`` and the
-    registered-memory proof), ``lists`` (building the Python int lists the binding converts fastest)
-    and ``conversion`` (the binding converting them; no transfer happens).
-    """
-    from ..backends.base import RegionTable
-    from ..backends.mooncake import _region_lists
-
-    prepare_ms = _best_ms(lambda: layout.regions_for_chunks(matrix), repeats)
-    pieces = {"checks_ms": 0.0, "lists_ms": 0.0, "conversion_ms": 0.0}
-    longest_ms = 0.0
-    calls = 0
-    probe = ["aiokv-bench-conversion-only"]
-    for batch in layout.regions_for_chunks(matrix):
-        batch_keys = [keys[i] for i in batch.rows.tolist()]
-        per_call = max(1, max_regions_per_call // max(1, batch.addrs.shape[1]))
-        for start in range(0, batch.rows.size, per_call):
-            part = slice(start, start + per_call)
-            sub = RegionBatch(batch.rows[part], batch.addrs[part], batch.sizes[part])
-            sub_keys = batch_keys[part]
-            table = RegionTable.from_arguments(sub_keys, sub.addrs, sub.sizes)
-            addr_lists, size_lists = _region_lists(table, None)
-
-            def checks(sub: RegionBatch = sub, sub_keys: list[str] = sub_keys) -> None:
-                backend._memory.valid_keys(RegionTable.from_arguments(sub_keys, sub.addrs, sub.sizes))
-
-            def convert(
-                addr_lists: list[list[int]] = addr_lists, size_lists: list[list[int]] = size_lists
-            ) -> None:
-                # One key, every region list: converted, then refused (-600) before any transfer.
-                with backend._native() as store:
-                    codes = store.batch_get_into_multi_buffers(probe, addr_lists, size_lists, False)
-                if list(codes) != [-600]:
-                    raise RuntimeError(f"the conversion probe answered {list(codes)}, expected [-600]")
-
-            check_ms = _best_ms(checks, repeats)
-            list_ms = _best_ms(lambda table=table: _region_lists(table, None), repeats)
-            convert_ms = _best_ms(convert, repeats)
-            pieces["checks_ms"] += check_ms
-            pieces["lists_ms"] += list_ms
-            pieces["conversion_ms"] += convert_ms
-            longest_ms = max(longest_ms, check_ms + list_ms + convert_ms)
-            calls += 1
-    total = prepare_ms + sum(pieces.values())
-    return {
-        "prepare_ms": prepare_ms,
-        **pieces,
-        "total_ms": total,
-        "calls_per_request": calls,
-        "longest_call_ms": longest_ms,
-        "max_regions_per_call": max_regions_per_call,
-    }
 
 
 async def _run(
@@ -463,8 +316,7 @@ async def _run(
             chunk_tokens=g.chunk_tokens,
             **worker_options,
         ) as worker:
-            max_regions = int(getattr(worker._runner, "max_regions_per_call", DEFAULT_REGIONS_PER_CALL))
-            results["max_regions_per_call"] = max_regions
+            results["max_regions_per_call"] = worker.max_regions_per_call
             results["verified_bytes"] = await bench.verify(worker)
             progress(f"e2e: bytes verified ({results['verified_bytes'] / 1e6:,.1f} MB compared)")
             for concurrency in levels:
@@ -482,21 +334,20 @@ async def _run(
                             "ratio_median": w.gbps_median / d.gbps_median,
                         }
                     )
-            if type(backend).__name__ == "MooncakeBackend":
-                progress("e2e: GIL-held pieces of one request on the Mooncake path")
-                request = bench.prepared(bench.cache.source_ids)
-                matrix = bench.cache.source_ids.reshape(g.chunks, g.blocks_per_chunk)
-                results["gil"] = await bench.in_thread(
-                    mooncake_gil_breakdown,
-                    backend,
-                    bench.cache.layout,
-                    matrix,
-                    request.keys,
-                    max_regions,
-                    max(3, rounds),
-                )
-            else:
-                results["gil"] = None
+        results["gil"] = None
+        if type(backend).__name__ == "MooncakeBackend":
+            progress("e2e: GIL-held time of one request on the Mooncake path")
+            request = bench.prepared(bench.cache.source_ids)
+            results["gil"], written = await mooncake_gil_breakdown(
+                backend,
+                bench.cache.layout,
+                HashedPrompt.from_tokens(request.tokens, g.chunk_tokens),
+                bench.cache.source_ids,
+                namespace=bench.namespace,
+                worker_options=worker_options,
+                repeats=max(3, rounds),
+            )
+            await bench.in_thread(bench.remove, written)
     finally:
         bench.threads.shutdown(wait=True)
     results["seconds"] = time.perf_counter() - started

@@ -25,7 +25,7 @@ from ..backends.base import Regions
 from ..keys import HashedPrompt, KeyNamespace, chunk_hashes
 from ..layout import KVLayout
 from ..worker import KVWorker
-from .baselines import writeup_prepare_values
+from .reference import writeup_prepare_values
 
 
 class SleepingBackend:
@@ -88,7 +88,7 @@ def _layout(regions: int, block_size: int, num_blocks: int) -> KVLayout:
     return KVLayout([(1 << 32) + i * span for i in range(regions)], [block_len], block_size, num_blocks)
 
 
-async def _measure(
+async def measure_loop_lag(
     run: Callable[[], Awaitable[None]], *, tick_s: float = 0.001
 ) -> tuple[list[float], float, float]:
     """Run ``run()`` while a ticker records loop lag; returns (lags in ms, CPU s, wall s)."""
@@ -169,7 +169,7 @@ async def _bench(
                         if result.stored != tokens // chunk_tokens:
                             raise RuntimeError(f"benchmark store wrote {result.stored} chunks")
 
-                measured = await _measure(run_aiokv)
+                measured = await measure_loop_lag(run_aiokv)
                 if r:  # the first round warms up caches and the executor's threads
                     collected.append(measured)
         results.append(_summarise("aiokv", tokens_as, concurrency, collected))
@@ -196,7 +196,7 @@ async def _bench(
             ]
             await asyncio.gather(*threads)
 
-        measured = await _measure(run_writeup)
+        measured = await measure_loop_lag(run_writeup)
         if r:
             collected.append(measured)
     results.append(_summarise("write-up (thread per request)", "list", concurrency, collected))

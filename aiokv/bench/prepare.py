@@ -22,7 +22,7 @@ import numpy as np
 
 from ..keys import chunk_hashes
 from ..layout import KVLayout
-from .baselines import reference_prepare_value, writeup_prepare_values
+from .reference import reference_prepare_value, writeup_prepare_values
 
 logger = logging.getLogger(__name__)
 
