@@ -170,12 +170,6 @@ class KVWorker:
         return self._state is WorkerState.CLOSED
 
     @property
-    def _runner(self) -> EngineConfig:
-        """Transitional: the bench read ``worker._runner.max_regions_per_call`` before
-        :attr:`max_regions_per_call` existed. Remove once ``aiokv/bench/e2e.py`` uses the property."""
-        return self._config
-
-    @property
     def _active(self) -> set[Request]:
         """Requests submitted and not done (for tests that wait for the worker to go idle)."""
         return self._tracker.active

@@ -20,7 +20,6 @@ worker makes (see :mod:`aiokv.bench.gil`).
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import statistics
 import time
@@ -131,10 +130,8 @@ def _remove_fn(backend: Backend) -> Callable[[list[str]], object]:
         raise TypeError(
             f"the e2e benchmark needs {type(backend).__name__}.batch_remove() to reuse keys across rounds"
         )
-    if "force" in inspect.signature(remove).parameters:
-        # Mooncake holds a read lease for ~10 s after a get; force drops the keys anyway.
-        return lambda keys: remove(keys, force=True)
-    return remove  # type: ignore[no-any-return]
+    # Mooncake holds a read lease for ~10 s after a get; force drops the keys anyway.
+    return lambda keys: remove(keys, force=True)
 
 
 def _summarise(

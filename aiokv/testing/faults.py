@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.base import Backend, Regions
+from ..backends.base import Backend, Regions, check_backend
 from ..errors import BackendError
 from .plan import Plan, RuleBook
 from .records import Call, region_copy, region_stats, thread_name
@@ -38,9 +38,7 @@ class FaultInjectingBackend:
     """
 
     def __init__(self, inner: Backend, *, rules: Iterable[FaultRule] = (), seed: int | None = 0) -> None:
-        for name in ("register_buffer", "batch_exists", "batch_put", "batch_get", "close"):
-            if not callable(getattr(inner, name, None)):
-                raise TypeError(f"inner backend {type(inner).__name__} has no {name}() method")
+        check_backend(inner)
         self.inner = inner
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
