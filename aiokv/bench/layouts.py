@@ -1,14 +1,8 @@
 """Block-major against layer-major KV caches (issue 11): pairs, GIL, loop lag, in one run.
 
 The write-up's scenario (289K tokens, block 128, 96 regions; block bytes scaled down to fit memory),
-with one cache allocated two ways and described with :meth:`KVLayout.from_tensors`:
-
-* ``layer_major``: one array per region (layer x K/V), ``(num_blocks, block_bytes)`` each;
-* ``block_major``: one ``(num_blocks, regions, block_bytes)`` array seen as per-region views (the
-  layer-major fingerprint, so the same keys and value bytes), whose regions coalesce into one pair per
-  one-block chunk;
-* ``cross_layer``: the same array as one region (vLLM's cross-layer cache): one pair per chunk of any
-  length, under a fingerprint of its own.
+with one cache allocated three ways (layer-major, block-major per-layer views, one cross-layer region;
+see :mod:`aiokv.bench.layout_caches`) and described with :meth:`KVLayout.from_tensors`.
 
 For each: (address, size) pairs per request, the GIL-held pieces of one request on the Mooncake path
 (``regions_for_chunks``, building the int lists the binding takes, and with ``--backend mooncake`` the
@@ -34,7 +28,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any, TextIO
 
 import numpy as np
@@ -44,85 +38,8 @@ from ..keys import KeyNamespace, chunk_hashes
 from ..layout import KVLayout
 from ..runner import run
 from ..worker import DEFAULT_REGIONS_PER_CALL, KVWorker
+from .layout_caches import KINDS, VOCAB, LayoutCache, Scenario, chunk_token_table, pairs_per_request
 from .loop_lag import _measure
-
-KINDS = ("layer_major", "block_major", "cross_layer")
-CHUNK_TOKEN_CHOICES = (128, 256, 512, 1024, 2048, 4096)
-_VOCAB = 128_000
-
-
-@dataclass(frozen=True, slots=True)
-class Scenario:
-    tokens: int = 289 * 1024
-    block_size: int = 128
-    regions: int = 96
-    block_bytes: int = 256
-    chunk_tokens: int = 128
-    concurrency: int = 4
-    rounds: int = 3
-
-    @property
-    def chunks(self) -> int:
-        return self.tokens // self.chunk_tokens
-
-    @property
-    def blocks_per_chunk(self) -> int:
-        return self.chunk_tokens // self.block_size
-
-    @property
-    def prompt_blocks(self) -> int:
-        return self.chunks * self.blocks_per_chunk
-
-    @property
-    def prompt_bytes(self) -> int:
-        return self.prompt_blocks * self.regions * self.block_bytes
-
-
-class LayoutCache:
-    """One paged cache of ``num_blocks`` blocks allocated ``kind``-wise, with its layout.
-
-    ``block_sets`` holds ``sets`` disjoint prompt-sized block tables: chunks in random order (as after
-    an allocator churned), each chunk's blocks physically consecutive. Set 0 holds random bytes.
-    """
-
-    def __init__(
-        self, kind: str, *, regions: int, block_bytes: int, block_size: int, prompt_blocks: int,
-        blocks_per_chunk: int, sets: int, seed: int = 0,
-    ) -> None:  # fmt: skip
-        num_blocks = sets * prompt_blocks
-        rng = np.random.default_rng(seed)
-        if kind == "layer_major":
-            self.arrays: list[np.ndarray] = [
-                np.zeros((num_blocks, block_bytes), dtype=np.uint8) for _ in range(regions)
-            ]
-            tensors = self.arrays
-        elif kind in ("block_major", "cross_layer"):
-            buffer = np.zeros((num_blocks, regions, block_bytes), dtype=np.uint8)
-            self.arrays = [buffer]
-            tensors = [buffer[:, i] for i in range(regions)] if kind == "block_major" else [buffer]
-        else:
-            raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
-        for array in self.arrays:
-            array[:prompt_blocks] = rng.integers(0, 256, size=array[:prompt_blocks].shape, dtype=np.uint8)
-        self.layout = KVLayout.from_tensors(tensors, block_size=block_size)
-        chunks = prompt_blocks // blocks_per_chunk
-
-        def block_set(index: int) -> IntArray:
-            first = index * prompt_blocks + rng.permutation(chunks).astype(np.int64) * blocks_per_chunk
-            return (first[:, None] + np.arange(blocks_per_chunk, dtype=np.int64)).ravel()
-
-        self.block_sets = [block_set(i) for i in range(sets)]
-
-    def same_blocks(self, ids_a: IntArray, ids_b: IntArray) -> bool:
-        return all(np.array_equal(a[ids_a], a[ids_b]) for a in self.arrays)
-
-    def clear(self, ids: IntArray) -> None:
-        for array in self.arrays:
-            array[ids] = 0
-
-
-def pairs_per_request(layout: KVLayout, matrix: IntArray) -> int:
-    return sum(batch.addrs.size for batch in layout.regions_for_chunks(matrix))
 
 
 def _best_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -216,7 +133,7 @@ async def _through_worker(backend: Any, cache: LayoutCache, s: Scenario, seed: i
     counter = iter(range(1 << 30))
 
     def prompt() -> np.ndarray:
-        return np.random.default_rng((seed, next(counter))).integers(0, _VOCAB, size=s.tokens, dtype=np.int64)
+        return np.random.default_rng((seed, next(counter))).integers(0, VOCAB, size=s.tokens, dtype=np.int64)
 
     def keys(tokens: np.ndarray) -> list[str]:
         return [prefix + h for h in chunk_hashes(tokens, s.chunk_tokens)]
@@ -262,42 +179,6 @@ async def _through_worker(backend: Any, cache: LayoutCache, s: Scenario, seed: i
     return {"store": _summary(stores, moved, c), "load": _summary(loads, moved, c)}
 
 
-def chunk_token_table(s: Scenario, choices: tuple[int, ...] = CHUNK_TOKEN_CHOICES) -> list[dict[str, Any]]:
-    """Keys, pairs and bytes per pair of one request per ``chunk_tokens`` (computed, not timed), from
-    the layouts' own :meth:`KVLayout.pairs_per_chunk` on addresses only."""
-    rows = []
-    for chunk_tokens in choices:
-        if chunk_tokens % s.block_size:
-            continue
-        blocks = chunk_tokens // s.block_size
-        keys = s.tokens // chunk_tokens
-        row: dict[str, Any] = {
-            "chunk_tokens": chunk_tokens,
-            "keys": keys,
-            "lost_tokens_max": chunk_tokens - 1,
-        }
-        for kind in KINDS:
-            layout = _address_only_layout(kind, s)
-            pairs = layout.pairs_per_chunk(blocks)
-            row[kind] = {
-                "pairs_per_key": pairs,
-                "pairs": pairs * keys,
-                "pair_bytes": blocks * s.regions * s.block_bytes // pairs,
-            }
-        rows.append(row)
-    return rows
-
-
-def _address_only_layout(kind: str, s: Scenario) -> KVLayout:
-    """The two layouts' geometry at made-up addresses (nothing is allocated)."""
-    n, r, b = s.prompt_blocks, s.regions, s.block_bytes
-    if kind == "layer_major":
-        return KVLayout([(1 << 32) + i * n * b for i in range(r)], [b], s.block_size, n)
-    if kind == "cross_layer":
-        return KVLayout([1 << 32], [r * b], s.block_size, n)
-    return KVLayout([(1 << 32) + i * b for i in range(r)], [b], s.block_size, n, block_strides=[r * b])
-
-
 @contextlib.contextmanager
 def open_backend(
     name: str, master: str | None, capacity: int
@@ -335,6 +216,9 @@ def run_layouts_benchmark(
     say = progress or (lambda _: None)
     capacity = int(s.concurrency * s.prompt_bytes * 1.3) + (64 << 20)
     result: dict[str, Any] = {"scenario": asdict(s), "backend": backend, "layouts": {}}
+    # The loop's lag with nothing to do: what the machine's other load alone costs (a shared box).
+    idle, _, _ = run(_measure(functools.partial(asyncio.sleep, 1.0)))
+    result["idle_lag_p99_ms"] = float(np.percentile(idle, 99))
     with open_backend(backend, master, capacity) as (store, probe):
         max_regions = int(getattr(store, "max_regions_per_call", DEFAULT_REGIONS_PER_CALL))
         for kind in KINDS:
@@ -378,7 +262,7 @@ def print_report(result: dict[str, Any], out: TextIO) -> None:
     out.write(
         f"layouts on {result['backend']}: {s['tokens']:,} tokens, block {s['block_size']}, "
         f"{s['regions']} regions x {s['block_bytes']} B, chunk {s['chunk_tokens']} tokens, "
-        f"{s['concurrency']} concurrent requests\n"
+        f"{s['concurrency']} concurrent requests; idle loop lag p99 {result['idle_lag_p99_ms']:.2f} ms\n"
     )
     rows = []
     for kind, f in result["layouts"].items():

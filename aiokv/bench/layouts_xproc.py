@@ -35,7 +35,7 @@ from .._arrays import IntArray
 from ..keys import KeyNamespace, chunk_hashes
 from ..runner import run
 from ..worker import KVWorker
-from .layouts import LayoutCache
+from .layout_caches import LayoutCache
 
 _HOLDER = """
 import sys
