@@ -81,12 +81,12 @@ def test_benchmark_runs_on_the_embedded_backend_and_reports(tmp_path: Path) -> N
 def test_cross_process_benchmark_moves_verified_bytes(mooncake_master: MooncakeMaster) -> None:
     from aiokv.bench.layouts_xproc import XScenario, print_xproc_report, run_xproc_benchmark
 
-    xs = XScenario(tokens=256, layers=2, heads=1, head_dim=16, multi_chunk_tokens=64, rounds=1)
+    xs = XScenario(tokens=1024, layers=2, heads=1, head_dim=16, multi_chunk_tokens=64, rounds=1)
     result = run_xproc_benchmark(xs, master=mooncake_master.address)
     labels = [c["label"] for c in result["configurations"]]
     assert labels == [label for label, _, _ in xs.configurations()]
     pairs = [c["pairs_per_key"] for c in result["configurations"]]
-    assert pairs == [4, 4, 1, 1]
+    assert pairs == [4, 4, 4, 4, 1, 1]
     out = io.StringIO()
     print_xproc_report(result, out)
     assert "best store" in out.getvalue()
