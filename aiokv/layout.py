@@ -1,9 +1,10 @@
 """Geometry of one KV-cache group and the vectorised address computation over it.
 
-A group is ``R`` cache regions (typically layer x K/V), each an array of ``num_blocks`` blocks of
-``block_len`` bytes holding ``block_size`` tokens. The value of a chunk in the store is, region by
-region, the bytes of the chunk's blocks in token order; :meth:`KVLayout.prepare_values` gives the
-(address, size) of each region's part for many chunks at once.
+A group is ``R`` cache regions (typically layer x K/V), each ``num_blocks`` blocks of ``block_len``
+bytes holding ``block_size`` tokens, ``block_stride`` bytes apart. The value of a chunk in the store
+is, region by region, the bytes of the chunk's blocks in token order; :meth:`KVLayout.regions_for_chunks`
+gives its (address, size) pairs for many chunks at once, merging pieces adjacent in memory
+(:mod:`aiokv.runs`). :meth:`KVLayout.from_tensors` (:mod:`aiokv.tensors`) reads a layout from tensors.
 """
 
 from __future__ import annotations

@@ -440,3 +440,38 @@ def test_interleaving_without_shared_bytes_is_accepted() -> None:
     assert layout.region_block_strides.tolist() == [8, 16]
     b = np.zeros((N, 8), np.uint8)
     assert KVLayout.from_tensors([b[:, 0:3], b[:, 3:5], b[:, 6:8]], block_size=1).pairs_per_chunk(1) == 2
+
+
+class DeviceTensor:
+    """A tensor on a device this machine does not have: only the duck-typed surface from_tensors reads
+    (its pointer is never dereferenced; the layout is arithmetic)."""
+
+    def __init__(self, ptr: int, shape: tuple[int, ...], device: str) -> None:
+        self.ptr, self.shape, self.device, self.dtype = ptr, shape, device, "torch.bfloat16"
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+    def element_size(self) -> int:
+        return 2
+
+    def stride(self) -> tuple[int, ...]:
+        strides, step = [], 1
+        for n in reversed(self.shape):
+            strides.append(step)
+            step *= n
+        return tuple(reversed(strides))
+
+
+def test_device_tensors_record_their_device() -> None:
+    shape = (2, N, BS, HEADS, DIM)
+    tensors = [DeviceTensor((1 << 40) + i * (1 << 30), shape, "cuda:0") for i in range(2)]
+    layout = KVLayout.from_tensors(tensors, block_size=BS, block_dim=1)
+    assert (layout.device, layout.dtype, layout.num_regions) == ("cuda:0", "bfloat16", 4)
+    assert layout.base_addrs.tolist()[:2] == [1 << 40, (1 << 40) + N * BS * HEADS * DIM * 2]
+    assert "device='cuda:0'" in repr(layout)
+    mixed = [tensors[0], DeviceTensor(1 << 42, shape, "cuda:1")]
+    with pytest.raises(
+        InvalidRequestError, match=r"tensors\[1\] has device cuda:1 but tensors\[0\] has cuda:0"
+    ):
+        KVLayout.from_tensors(mixed, block_size=BS, block_dim=1)
