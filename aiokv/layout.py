@@ -1,22 +1,24 @@
 """Geometry of one KV-cache group and the vectorised address computation over it.
 
-A group is ``R`` cache regions (typically layer x K/V), each an array of ``num_blocks`` blocks of
-``block_len`` bytes holding ``block_size`` tokens. The value of a chunk in the store is, region by
-region, the bytes of the chunk's blocks in token order; :meth:`KVLayout.prepare_values` gives the
-(address, size) of each region's part for many chunks at once.
+A group is ``R`` cache regions (typically layer x K/V), each ``num_blocks`` blocks of ``block_len``
+bytes holding ``block_size`` tokens, ``block_stride`` bytes apart. The value of a chunk in the store
+is, region by region, the bytes of the chunk's blocks in token order; :meth:`KVLayout.regions_for_chunks`
+gives its (address, size) pairs for many chunks at once, merging pieces adjacent in memory
+(:mod:`aiokv.runs`). :meth:`KVLayout.from_tensors` (:mod:`aiokv.tensors`) reads a layout from tensors.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import numpy as np
 
 from ._arrays import IntArray, IntArrayLike, NonIntegerError, as_int64_array, as_positive_int
 from .errors import InvalidRequestError
+from .runs import RunPlan
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
@@ -36,17 +38,30 @@ class KVLayout:
 
     ``base_addrs``: one base address per cache region; ``block_lens``: bytes per block, cycled over the
     regions when shorter (region ``i`` uses ``block_lens[i % len(block_lens)]``); ``block_size``: tokens
-    per block; ``num_blocks``: blocks per region. ``dtype`` names the element type and enters the
-    :attr:`fingerprint`, so caches of equal byte geometry but different dtypes never share keys.
+    per block; ``num_blocks``: blocks per region. ``block_strides``: bytes from one block of a region to
+    the next, cycled like ``block_lens`` (default: the block lengths, blocks back to back); block ``b``
+    of region ``i`` is the ``block_lens[i]`` bytes at ``base_addrs[i] + b * block_strides[i]``.
+    ``dtype`` names the element type and enters the :attr:`fingerprint`, so caches of equal byte
+    geometry but different dtypes never share keys; strides and addresses never do, so caches of equal
+    geometry but different allocation share keys. ``device`` says where the memory lives: ``"cpu"``
+    for host memory, else e.g. ``"cuda:0"`` (backends that cannot reach it refuse the layout).
+
+    A chunk's value is, region by region, the bytes of its blocks in token order, whatever the strides.
+    :meth:`from_tensors` builds a layout from an engine's tensors.
     """
 
     __slots__ = (
         "_base",
         "_block_lens",
+        "_block_strides",
         "_region_block_lens",
+        "_region_strides",
+        "_plans",
+        "_owners",
         "block_size",
         "num_blocks",
         "dtype",
+        "device",
         "fingerprint",
     )
 
@@ -58,6 +73,8 @@ class KVLayout:
         num_blocks: int,
         *,
         dtype: str = "bytes",
+        block_strides: IntArrayLike | None = None,
+        device: str = "cpu",
     ) -> None:
         base = as_int64_array(base_addrs, "base_addrs", ndim=1)
         lens = as_int64_array(block_lens, "block_lens", ndim=1)
@@ -65,36 +82,67 @@ class KVLayout:
         self.num_blocks = as_positive_int(num_blocks, "num_blocks")
         if base.size == 0:
             raise InvalidRequestError("base_addrs must name at least one cache region")
-        if lens.size == 0:
-            raise InvalidRequestError("block_lens must hold at least one block length")
-        if lens.size > base.size:
-            raise InvalidRequestError(
-                f"block_lens has {lens.size} entries but there are only {base.size} regions"
-            )
+        region_lens = _cycled(lens, "block_lens", base.size)
         if (base <= 0).any():
             region = int(np.flatnonzero(base <= 0)[0])
             raise InvalidRequestError(f"base_addrs[{region}] must be a positive address")
-        if (lens <= 0).any():
-            index = int(np.flatnonzero(lens <= 0)[0])
-            raise InvalidRequestError(f"block_lens[{index}] must be positive")
-        if not isinstance(dtype, str) or not dtype:
-            raise TypeError("dtype must be a non-empty str such as 'bfloat16'")
-        region_lens = np.resize(lens, base.size)
-        # Python ints: the end of the last region must not overflow int64 addresses.
-        for region, (addr, blen) in enumerate(zip(base.tolist(), region_lens.tolist(), strict=True)):
-            if addr + blen * self.num_blocks > _INT64_MAX:
+        for name, value in (("dtype", dtype), ("device", device)):
+            if not isinstance(value, str) or not value:
+                raise TypeError(f"{name} must be a non-empty str such as 'bfloat16' or 'cpu'")
+        if block_strides is None:
+            strides, region_strides = lens, region_lens
+        else:
+            strides = as_int64_array(block_strides, "block_strides", ndim=1)
+            region_strides = _cycled(strides, "block_strides", base.size)
+            short = region_strides < region_lens
+            if short.any():
+                region = int(np.flatnonzero(short)[0])
+                raise InvalidRequestError(
+                    f"region {region}: block stride {int(region_strides[region])} is shorter than its "
+                    f"block length {int(region_lens[region])} (its blocks would overlap)"
+                )
+        # Python ints: the end of the last block must not overflow int64 addresses.
+        for region, (addr, blen, stride) in enumerate(
+            zip(base.tolist(), region_lens.tolist(), region_strides.tolist(), strict=True)
+        ):
+            if addr + stride * (self.num_blocks - 1) + blen > _INT64_MAX:
                 raise InvalidRequestError(
                     f"region {region} ends past the int64 address range "
-                    f"(base_addrs[{region}] + block_lens * num_blocks)"
+                    f"(base_addrs[{region}] + block_strides * (num_blocks - 1) + block_lens)"
                 )
-        base.flags.writeable = False
-        lens.flags.writeable = False
-        region_lens.flags.writeable = False
+        for array in (base, lens, strides, region_lens, region_strides):
+            array.flags.writeable = False
         self._base = base
         self._block_lens = lens
+        self._block_strides = strides
         self._region_block_lens = region_lens
+        self._region_strides = region_strides
+        self._plans: dict[int, RunPlan] = {}
+        self._owners: tuple[object, ...] = ()
         self.dtype = dtype
+        self.device = device
         self.fingerprint = _fingerprint(self.block_size, region_lens, dtype)
+
+    @classmethod
+    def from_tensors(
+        cls, tensors: Sequence[Any] | Mapping[str, Any], *, block_size: int, block_dim: int = 0
+    ) -> KVLayout:
+        """The layout of an engine's KV-cache tensors (``torch.Tensor`` or ``numpy.ndarray``).
+
+        Every tensor holds ``num_blocks`` blocks along ``block_dim``; block ``b`` is the slice at ``b``
+        there. The dims after ``block_dim`` must be C-contiguous, so a block is ``P`` contiguous
+        pieces (``P``: the product of the dims before ``block_dim``), each piece one region: regions
+        go tensor by tensor, piece by piece in row-major order. ``tensors`` may be a mapping (e.g.
+        vLLM's layer name -> tensor), whose names then appear in errors. dtype and device come from
+        the tensors. The layout keeps the tensors referenced so their memory outlives it.
+
+        Raises ``TypeError``/``ValueError`` naming the tensor for anything it cannot describe exactly
+        (non-contiguous trailing dims, negative strides, ``block_dim`` out of range, unequal block
+        counts, empty tensors, mixed dtypes or devices, regions sharing bytes).
+        """
+        from .tensors import layout_from_tensors
+
+        return layout_from_tensors(cls, tensors, block_size=block_size, block_dim=block_dim)
 
     @property
     def num_regions(self) -> int:
@@ -110,9 +158,19 @@ class KVLayout:
         return self._block_lens
 
     @property
+    def block_strides(self) -> IntArray:
+        """The block strides as given (before cycling; the block lengths when none were given)."""
+        return self._block_strides
+
+    @property
     def region_block_lens(self) -> IntArray:
         """Bytes per block of each region (``block_lens`` cycled to ``num_regions``)."""
         return self._region_block_lens
+
+    @property
+    def region_block_strides(self) -> IntArray:
+        """Bytes between consecutive blocks of each region (``block_strides`` cycled)."""
+        return self._region_strides
 
     @property
     def chunk_bytes_per_block(self) -> int:
@@ -120,31 +178,55 @@ class KVLayout:
         return int(self._region_block_lens.sum())
 
     def region_spans(self) -> list[tuple[int, int]]:
-        """``(address, byte length)`` of every region, for registration with a backend."""
+        """``(address, byte length)`` of every region, first block's start to last block's end, for
+        registration with a backend (a strided region's span includes the gaps between its blocks)."""
+        last = self.num_blocks - 1
         return [
-            (addr, blen * self.num_blocks)
-            for addr, blen in zip(self._base.tolist(), self._region_block_lens.tolist(), strict=True)
+            (addr, stride * last + blen)
+            for addr, blen, stride in zip(
+                self._base.tolist(),
+                self._region_block_lens.tolist(),
+                self._region_strides.tolist(),
+                strict=True,
+            )
         ]
 
+    def pairs_per_chunk(self, blocks_per_chunk: int, *, consecutive: bool = True) -> int:
+        """(address, size) pairs :meth:`regions_for_chunks` gives one chunk of ``blocks_per_chunk``
+        blocks: physically consecutive ones (``consecutive``), or scattered ones (one per block per
+        region when there are several blocks)."""
+        per_chunk = as_positive_int(blocks_per_chunk, "blocks_per_chunk")
+        if consecutive or per_chunk == 1:
+            return int(self._run_plan(per_chunk).sizes.size)
+        return self.num_regions * per_chunk
+
     def __repr__(self) -> str:
+        extra = ""
+        if not np.array_equal(self._region_strides, self._region_block_lens):
+            extra += f", block_strides={self._block_strides.tolist()}"
+        if self.device != "cpu":
+            extra += f", device={self.device!r}"
         return (
             f"KVLayout(num_regions={self.num_regions}, block_lens={self._block_lens.tolist()}, "
-            f"block_size={self.block_size}, num_blocks={self.num_blocks}, dtype={self.dtype!r})"
+            f"block_size={self.block_size}, num_blocks={self.num_blocks}, dtype={self.dtype!r}{extra})"
         )
 
     def prepare_values(
         self, chunks: Sequence[tuple[int, int]] | IntArray, block_ids: IntArrayLike
     ) -> tuple[IntArray, IntArray, IntArray]:
-        """Addresses and sizes of many token ranges at once.
+        """Addresses and sizes of many token ranges at once, one (address, size) per region.
 
         ``chunks``: ``(start, end)`` token ranges (or an ``(n, 2)`` array); ``block_ids`` maps block
         index to physical block id. Chunk ``k`` starts at physical block
         ``bid = block_ids[start // block_size]`` and is assumed to cover the physically consecutive
         blocks ``[bid, bid + (end - start) // block_size)``. Returns int64 arrays ``addrs`` ``(n, R)``,
         ``sizes`` ``(n, R)`` and ``chunk_block_ids`` ``(n,)`` with
-        ``addrs[k, i] = base[i] + bid * block_len[i]`` and
+        ``addrs[k, i] = base[i] + bid * block_stride[i]`` and
         ``sizes[k, i] = block_len[i] * (end - start) // block_size``. ``sizes`` may be a read-only
         broadcast view when all chunks have one length; copy it before writing to it.
+
+        In a strided region (stride > length) a chunk of several blocks is not one piece of memory,
+        so such chunks are refused there; :meth:`regions_for_chunks` handles them.
 
         Raises ``InvalidRequestError`` (a ``ValueError``) naming the first bad chunk before anything is
         computed, and never yields an address outside the cache.
@@ -160,7 +242,16 @@ class KVLayout:
         ids = as_int64_array(block_ids, "block_ids", ndim=1)
         starts = spans_array[:, 0]
         nblocks, first_bids = self._check_chunks(starts, spans_array[:, 1], ids)
-        addrs = np.multiply.outer(first_bids, self._region_block_lens)
+        gapped = self._region_strides != self._region_block_lens
+        if gapped.any() and (nblocks > 1).any():
+            k = int(np.flatnonzero(nblocks > 1)[0])
+            region = int(np.flatnonzero(gapped)[0])
+            raise InvalidRequestError(
+                f"chunk {k} ({int(starts[k])}, {int(spans_array[k, 1])}): its {int(nblocks[k])} blocks "
+                f"are not contiguous in region {region} (block stride {int(self._region_strides[region])}"
+                f" > block length {int(self._region_block_lens[region])}); use regions_for_chunks"
+            )
+        addrs = np.multiply.outer(first_bids, self._region_strides)
         addrs += self._base
         if (nblocks == nblocks[0]).all():
             # The usual case (equal chunks): a read-only broadcast row instead of a second (n, R)
@@ -186,46 +277,60 @@ class KVLayout:
         return addrs[0].tolist(), sizes[0].tolist(), int(bids[0])
 
     def regions_for_chunks(self, chunk_blocks: IntArray) -> list[RegionBatch]:
-        """Regions of whole chunks whose blocks need not be physically consecutive.
+        """The (address, size) pairs of whole chunks, coalesced where memory allows.
 
-        ``chunk_blocks`` is ``(n, nb)``: the physical block ids of each chunk, in token order. Chunks
-        whose blocks are consecutive get one region per cache region (coalesced); the others get one
-        region per block per cache region, in the same byte order, so a chunk's value is the same
-        whatever its physical placement. Makes exactly one :meth:`prepare_values` call; returns at most
-        two batches (coalesced, per-block), each with a uniform row width.
+        ``chunk_blocks`` is ``(n, nb)``: the physical block ids of each chunk, in token order. A chunk's
+        value is region by region its blocks' bytes in token order; pieces of it adjacent in memory
+        for every chunk of a kind are sent as one pair. Chunks whose blocks are consecutive get
+        :meth:`pairs_per_chunk` pairs each: a region's blocks merge when its stride equals its length,
+        and region ``k+1``'s first piece joins region ``k``'s last where it starts at its end (a
+        block-major cache with consecutive blocks moves as one pair per chunk). The others get one
+        pair per block per region. Returns at most two batches (consecutive, scattered), each with a
+        uniform row width; raises ``InvalidRequestError`` for a block id outside the cache.
         """
-        n, per_chunk = chunk_blocks.shape
+        blocks = as_int64_array(chunk_blocks, "chunk_blocks", ndim=2)
+        n = blocks.shape[0] if blocks.ndim == 2 else 0
         if n == 0:
             return []
+        per_chunk = blocks.shape[1]
+        outside = (blocks < 0) | (blocks >= self.num_blocks)
+        if outside.any():
+            row = int(np.flatnonzero(outside.any(axis=1))[0])
+            raise InvalidRequestError(
+                f"chunk {row}: physical blocks {blocks[row].tolist()} fall outside the cache's "
+                f"{self.num_blocks} blocks"
+            )
         if per_chunk > 1:
-            gaps = chunk_blocks[:, 1:] != chunk_blocks[:, :-1] + 1
-            fragmented = gaps.any(axis=1)
+            fragmented = (blocks[:, 1:] != blocks[:, :-1] + 1).any(axis=1)
+            whole_rows = np.flatnonzero(~fragmented)
+            split_rows = np.flatnonzero(fragmented)
         else:
-            fragmented = np.zeros(n, dtype=bool)
-        whole_rows = np.flatnonzero(~fragmented)
-        split_rows = np.flatnonzero(fragmented)
-        # Synthetic token ranges over a flat block-id table: [whole chunks' first blocks,
-        # then every block of the fragmented chunks], so one prepare_values call serves both kinds.
-        bs = self.block_size
-        table = np.concatenate([chunk_blocks[whole_rows, 0], chunk_blocks[split_rows].ravel()])
-        starts = np.arange(table.size, dtype=np.int64) * bs
-        spans = np.full(table.size, bs, dtype=np.int64)
-        spans[: whole_rows.size] = per_chunk * bs
-        ranges = np.stack([starts, starts + spans], axis=1)
-        addrs, sizes, _ = self.prepare_values(ranges, table)
+            whole_rows = np.arange(n, dtype=np.int64)
+            split_rows = whole_rows[:0]
         batches = []
         if whole_rows.size:
-            batches.append(RegionBatch(whole_rows, addrs[: whole_rows.size], sizes[: whole_rows.size]))
+            plan = self._run_plan(per_chunk)
+            first = blocks[whole_rows, 0] if split_rows.size else blocks[:, 0]
+            addrs = np.multiply.outer(first, plan.strides)
+            addrs += plan.offsets
+            sizes = np.broadcast_to(plan.sizes, addrs.shape)
+            batches.append(RegionBatch(whole_rows, addrs, sizes))
         if split_rows.size:
+            # Region-major: each region's blocks in token order, one pair per block.
+            scattered = blocks[split_rows]
+            addrs = scattered[:, None, :] * self._region_strides[None, :, None]
+            addrs += self._base[None, :, None]
             width = self.num_regions * per_chunk
-
-            def region_major(values: IntArray) -> IntArray:
-                # (chunk, block, region) -> (chunk, region, block): each region's blocks in token order.
-                cube = values[whole_rows.size :].reshape(split_rows.size, per_chunk, self.num_regions)
-                return np.ascontiguousarray(cube.transpose(0, 2, 1)).reshape(split_rows.size, width)
-
-            batches.append(RegionBatch(split_rows, region_major(addrs), region_major(sizes)))
+            sizes = np.broadcast_to(np.repeat(self._region_block_lens, per_chunk), (split_rows.size, width))
+            batches.append(RegionBatch(split_rows, addrs.reshape(split_rows.size, width), sizes))
         return batches
+
+    def _run_plan(self, per_chunk: int) -> RunPlan:
+        plan = self._plans.get(per_chunk)
+        if plan is None:
+            plan = RunPlan.build(self._base, self._region_block_lens, self._region_strides, per_chunk)
+            self._plans[per_chunk] = plan
+        return plan
 
     def _check_chunks(
         self, starts: IntArray, ends: IntArray, block_ids: IntArray
@@ -278,3 +383,15 @@ def _fingerprint(block_size: int, region_block_lens: IntArray, dtype: str) -> st
     process with the same geometry computes the same keys."""
     text = f"v1|{dtype}|{block_size}|{','.join(map(str, region_block_lens.tolist()))}"
     return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _cycled(values: IntArray, name: str, regions: int) -> IntArray:
+    """``values`` (checked positive) repeated over ``regions`` regions."""
+    if values.size == 0:
+        raise InvalidRequestError(f"{name} must hold at least one value")
+    if values.size > regions:
+        raise InvalidRequestError(f"{name} has {values.size} entries but there are only {regions} regions")
+    if (values <= 0).any():
+        index = int(np.flatnonzero(values <= 0)[0])
+        raise InvalidRequestError(f"{name}[{index}] must be positive")
+    return np.resize(values, regions)
