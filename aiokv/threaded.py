@@ -69,7 +69,7 @@ class ThreadedKVWorker:
         backend: Backend,
         *,
         namespace: KeyNamespace | str,
-        chunk_tokens: int,
+        chunk_tokens: int | None = None,
         loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None,
         **options: Any,
     ) -> None:

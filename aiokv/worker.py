@@ -12,6 +12,7 @@ import asyncio
 import enum
 import itertools
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -45,7 +46,24 @@ from .stats import Kind, WorkerStats
 
 logger = logging.getLogger("aiokv")
 
-__all__ = ["DEFAULT_REGIONS_PER_CALL", "BlockIds", "KVWorker", "WorkerState", "merged_spans"]
+# Tokens per key by default: large enough that pairs are 128 KiB-1 MiB across processes (Mooncake's TCP
+# path is bound by slice count), small enough that a hit loses at most 255 tokens to recomputation.
+DEFAULT_CHUNK_TOKENS = 256
+
+__all__ = [
+    "DEFAULT_CHUNK_TOKENS",
+    "DEFAULT_REGIONS_PER_CALL",
+    "BlockIds",
+    "KVWorker",
+    "WorkerState",
+    "merged_spans",
+]
+
+
+def default_chunk_tokens(layouts: Sequence[KVLayout]) -> int:
+    """:data:`DEFAULT_CHUNK_TOKENS` rounded up to a multiple of every group's block size."""
+    unit = math.lcm(*(layout.block_size for layout in layouts))
+    return -(-DEFAULT_CHUNK_TOKENS // unit) * unit
 
 
 class WorkerState(enum.Enum):
@@ -70,8 +88,10 @@ class KVWorker:
     """Moves chunks of one engine's KV cache between its blocks and a backend, from asyncio.
 
     ``layouts``: one :class:`KVLayout` per KV-cache group (or a single layout). ``namespace``: a
-    :class:`KeyNamespace`, or just the model name. ``chunk_tokens``: tokens per stored chunk, a
-    multiple of every group's ``block_size``.
+    :class:`KeyNamespace`, or just the model name. ``chunk_tokens``: tokens per stored chunk (one key),
+    a multiple of every group's ``block_size``; by default :data:`DEFAULT_CHUNK_TOKENS` (256) rounded
+    up to such a multiple: 128 KiB-1 MiB (address, size) pairs for real models, 64 keys for a 16K
+    prompt, at most 255 matched tokens recomputed (see docs/layouts.md for the trade-off).
 
     Use ``async with KVWorker(...) as worker:`` or ``await worker.start()`` / ``await worker.close()``.
     The backend belongs to the caller: the worker registers the layouts' memory with it on start,
@@ -92,7 +112,7 @@ class KVWorker:
         backend: Backend,
         *,
         namespace: KeyNamespace | str,
-        chunk_tokens: int,
+        chunk_tokens: int | None = None,
         max_regions_per_call: int | None = None,
         max_concurrent_batches: int = 2,
         executor_threads: int = 2,
@@ -106,7 +126,11 @@ class KVWorker:
             namespace = KeyNamespace(namespace)
         if not isinstance(namespace, KeyNamespace):
             raise TypeError("namespace must be a KeyNamespace or a model name")
-        chunk_tokens = as_positive_int(chunk_tokens, "chunk_tokens")
+        chunk_tokens = (
+            default_chunk_tokens(checked_layouts)
+            if chunk_tokens is None
+            else as_positive_int(chunk_tokens, "chunk_tokens")
+        )
         check_chunk_tokens(chunk_tokens, checked_layouts)
         check_layouts_reachable(checked_layouts, backend, traits.supports_device_memory)
         backoff_s = check_backoff(pressure_backoff_s)

@@ -306,19 +306,19 @@ async def test_load_of_an_unknown_prompt_fails_every_block_and_moves_nothing(
 
 
 @pytest.mark.asyncio
-async def test_prepare_values_is_called_once_per_group_per_cycle(
+async def test_region_planning_runs_once_per_group_per_cycle(
     src: PagedCache, dst: PagedCache, backend: FaultInjectingBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: Counter[int] = Counter()
     lock = threading.Lock()
-    original = KVLayout.prepare_values
+    original = KVLayout.regions_for_chunks
 
-    def spy(self: KVLayout, chunks: Any, block_ids: Any) -> Any:
+    def spy(self: KVLayout, chunk_blocks: Any) -> Any:
         with lock:
             calls[id(self)] += 1
-        return original(self, chunks, block_ids)
+        return original(self, chunk_blocks)
 
-    monkeypatch.setattr(KVLayout, "prepare_values", spy)
+    monkeypatch.setattr(KVLayout, "regions_for_chunks", spy)
     requests, chunks = 4, 3
     tokens = [prompt(100 + r, chunks) for r in range(requests)]
     src_ids = [scattered(src, chunks, seed=200 + r) for r in range(requests)]

@@ -9,12 +9,16 @@
    keys and regions (on Mooncake also the GIL-held time per request).
 
 Progress goes to stderr, the table to stdout; ``--json`` and ``--plot`` write every figure.
+
+Other suites run as ``python -m aiokv bench SUITE [options]`` (each has its own ``--help``): see
+:data:`SUITES`.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import importlib.metadata
 import json
 import os
@@ -42,6 +46,13 @@ _QUICK = {"tokens": 32 * 1024, "regions": 32, "rounds": 2}
 _FULL = {"tokens": DEFAULT_TOKENS, "regions": 96, "rounds": 5}
 
 
+# Suites beside the default one: name -> (module, what it compares). Imported only when asked for.
+SUITES = {
+    "layouts": ("aiokv.bench.layouts", "block-major vs layer-major caches: pairs, GIL, loop lag, GB/s"),
+    "layouts-xproc": ("aiokv.bench.layouts_xproc", "prefill -> decode across processes on Mooncake"),
+}
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m aiokv bench",
@@ -49,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
         "reference, the write-up's vectorised version and aiokv side by side, then end to end through "
         "the worker with real bytes against direct backend calls.",
         epilog=f"Mooncake without --master starts a loopback master; run it in a private network "
-        f"namespace: {NAMESPACE_COMMAND}",
+        f"namespace: {NAMESPACE_COMMAND}. Other suites: "
+        + "; ".join(f"`bench {name} --help`: {what}" for name, (_, what) in SUITES.items()),
     )
     scenario = parser.add_argument_group("scenario")
     scenario.add_argument("--tokens", type=int, help=f"tokens per prompt (default {DEFAULT_TOKENS})")
@@ -298,6 +310,10 @@ def run_bench(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SUITES:
+        suite = importlib.import_module(SUITES[argv[0]][0])
+        return int(suite.main(argv[1:]))
     args = _resolve(argv)
     started = time.perf_counter()
 

@@ -39,7 +39,7 @@ from ..layout import KVLayout
 from ..runner import run
 from ..worker import DEFAULT_REGIONS_PER_CALL, KVWorker
 from .layout_caches import KINDS, VOCAB, LayoutCache, Scenario, chunk_token_table, pairs_per_request
-from .loop_lag import _measure
+from .loop_lag import measure_loop_lag
 
 
 def _best_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -167,13 +167,13 @@ async def _through_worker(backend: Any, cache: LayoutCache, s: Scenario, seed: i
         stores: list[tuple[list[float], float, float]] = []
         for r in range(s.rounds + 1):
             prompts = [prompt() for _ in range(c)]
-            measured = await _measure(functools.partial(store, prompts))
+            measured = await measure_loop_lag(functools.partial(store, prompts))
             remove(prompts)
             if r:  # round 0 warms pages, allocator and threads up
                 stores.append(measured)
         prompts = [prompt() for _ in range(c)]
         await store(prompts)
-        loads = [await _measure(lambda: load(prompts)) for _ in range(s.rounds + 1)][1:]
+        loads = [await measure_loop_lag(lambda: load(prompts)) for _ in range(s.rounds + 1)][1:]
         remove(prompts)
     moved = c * s.prompt_bytes
     return {"store": _summary(stores, moved, c), "load": _summary(loads, moved, c)}
@@ -217,7 +217,7 @@ def run_layouts_benchmark(
     capacity = int(s.concurrency * s.prompt_bytes * 1.3) + (64 << 20)
     result: dict[str, Any] = {"scenario": asdict(s), "backend": backend, "layouts": {}}
     # The loop's lag with nothing to do: what the machine's other load alone costs (a shared box).
-    idle, _, _ = run(_measure(functools.partial(asyncio.sleep, 1.0)))
+    idle, _, _ = run(measure_loop_lag(functools.partial(asyncio.sleep, 1.0)))
     result["idle_lag_p99_ms"] = float(np.percentile(idle, 99))
     with open_backend(backend, master, capacity) as (store, probe):
         max_regions = int(getattr(store, "max_regions_per_call", DEFAULT_REGIONS_PER_CALL))
