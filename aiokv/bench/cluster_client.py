@@ -50,7 +50,8 @@ def node_config(
 ) -> dict[str, Any]:
     """A node's configuration: its cache geometry, its Mooncake client and its worker options."""
     address = world.node_address(index)
-    assert world.master is not None
+    if world.master is None:
+        raise RuntimeError("start the world before configuring nodes")
     client = {
         "local_hostname": address,
         "metadata_server": "P2PHANDSHAKE",
@@ -117,8 +118,10 @@ class NodeClient:
             return ""
 
     def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
+        stdout = self.process.stdout
+        if stdout is None:
+            raise RuntimeError("the node was started without a stdout pipe")
+        for line in stdout:
             try:
                 message = json.loads(line)
             except json.JSONDecodeError:
@@ -146,8 +149,9 @@ class NodeClient:
         future: Future[dict[str, Any]] = Future()
         with self._lock:
             self._pending[request_id] = future
-        assert self.process.stdin is not None
         try:
+            if self.process.stdin is None:
+                raise ValueError("no stdin pipe")
             self.process.stdin.write(json.dumps({"id": request_id, "op": op, **args}) + "\n")
             self.process.stdin.flush()
         except (BrokenPipeError, ValueError) as exc:

@@ -207,7 +207,7 @@ class Node:
 
     def replicas(self, keys: list[str]) -> dict[str, list[str]]:
         """Endpoints holding each key's replicas, from the master (diagnostics; a private handle)."""
-        store = self.backend._store  # noqa: SLF001 - the descriptors are not part of the Backend protocol
+        store = self.backend._store  # the descriptors are not in the Backend protocol
         answer = store.batch_get_replica_desc(keys)
         where: dict[str, list[str]] = {}
         for key in keys:
@@ -219,7 +219,7 @@ class Node:
         return where
 
     def health(self) -> int:
-        return int(self.backend._store.health_check())  # noqa: SLF001 - not in the Backend protocol
+        return int(self.backend._store.health_check())  # not in the Backend protocol
 
 
 async def serve(config: dict[str, Any]) -> None:

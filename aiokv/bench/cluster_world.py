@@ -212,7 +212,8 @@ class ClusterWorld:
 
     def _link(self, namespace: Namespace, port: str, address: str) -> None:
         """A veth pair: ``port`` on the bridge, ``eth0`` with ``address`` inside ``namespace``."""
-        assert self.switch is not None
+        if self.switch is None:
+            raise RuntimeError("the switch namespace does not exist yet")
         self.switch.check(
             "ip",
             "link",
@@ -234,7 +235,8 @@ class ClusterWorld:
 
     def cut_link(self, index: int) -> None:
         """Take node ``index``'s bridge port down: its packets vanish, as when a machine loses power."""
-        assert self.switch is not None
+        if self.switch is None:
+            raise RuntimeError("the world is not started")
         self.switch.check("ip", "link", "set", f"p{index}", "down")
 
     def close(self) -> None:
