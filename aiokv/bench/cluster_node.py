@@ -91,6 +91,7 @@ class Node:
             close_backend=True,
             **config.get("worker", {}),
         )
+        self._replica_reader: Any = None
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -171,6 +172,8 @@ class Node:
                 "errors": {str(k): v for k, v in loaded.errors.items()},
                 "transfer_s": transfer_s,
             }
+            if request.get("replica_retry", False):
+                reply["after_retry"] = await loop.run_in_executor(None, self.retry_failed, request, reply)
             if request.get("verify", True):
                 reply["verdicts"], reply["digests"] = self.judge(seed, chunks, block_ids)
             return reply
@@ -204,6 +207,39 @@ class Node:
             codes.extend(call(keys[part], addrs[part], sizes[part]))
         elapsed = time.monotonic() - started
         return {"transfer_s": elapsed, "failed": sum(1 for code in codes if code < 0)}
+
+    def retry_failed(self, request: dict[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:
+        """Read the chunks the load failed from a live replica directly (:mod:`.replica_retry`)."""
+        if self._replica_reader is None:
+            from .replica_retry import ReplicaReader
+
+            spans = [(int(self.cache[r].ctypes.data), self.cache[r].nbytes) for r in range(self.regions)]
+            hostname = self.config["mooncake"]["local_hostname"]
+            self._replica_reader = ReplicaReader(self.backend._store, hostname, spans)
+        block_ids = request["block_ids"]
+        failed_blocks = set(loaded["failed_block_ids"][0])
+        chunks = int(request["chunks"])
+        failed = [k for k in range(chunks) if int(block_ids[k * self.blocks_per_chunk]) in failed_blocks]
+        if not failed:
+            return {
+                "retried": 0,
+                "recovered": 0,
+                "loaded_tokens": loaded["loaded_tokens"],
+                "failed_block_ids": [[]],
+            }
+        keys = self.keys(request)
+        addrs, sizes = self.direct_regions(request)
+        codes = self._replica_reader.read(
+            [keys[k] for k in failed], [addrs[k] for k in failed], [sizes[k] for k in failed]
+        )
+        still = {k for k, code in zip(failed, codes, strict=True) if code < 0}
+        leading = next((k for k in range(chunks) if k in still), chunks)
+        return {
+            "retried": len(failed),
+            "recovered": len(failed) - len(still),
+            "loaded_tokens": leading * self.chunk_tokens,
+            "failed_block_ids": [[b for k in sorted(still) for b in self.chunk_ids(block_ids, k).tolist()]],
+        }
 
     def replicas(self, keys: list[str]) -> dict[str, list[str]]:
         """Endpoints holding each key's replicas, from the master (diagnostics; a private handle)."""

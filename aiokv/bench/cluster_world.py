@@ -54,6 +54,9 @@ def stop_process(process: subprocess.Popen[Any], timeout: float, sig: int = sign
         with contextlib.suppress(ProcessLookupError):
             process.send_signal(signal.SIGCONT)  # a frozen process cannot act on SIGTERM
             process.send_signal(sig)
+        if sig == signal.SIGKILL:
+            process.wait(10)
+            return
         try:
             process.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -30,11 +30,15 @@ def test_master_restart(cluster: Cluster) -> None:
     # Clients reconnect and re-mount their segments by themselves (measured: ~1-2 s).
 
     def stores_again() -> bool:
-        reply = client.call("store", seed=3, chunks=CHUNKS, block_ids=blocks(0, CHUNKS), timeout=REQUEST_BOUND_S)
+        reply = client.call(
+            "store", seed=3, chunks=CHUNKS, block_ids=blocks(0, CHUNKS), timeout=REQUEST_BOUND_S
+        )
         return bool(reply["ok"] and reply["result"]["stored"] + reply["result"]["skipped"] == CHUNKS)
 
     wait_for(stores_again, 30, "a store through the same worker after the restart")
-    loaded = client.result("load", seed=3, chunks=CHUNKS, block_ids=blocks(50, CHUNKS), timeout=REQUEST_BOUND_S)
+    loaded = client.result(
+        "load", seed=3, chunks=CHUNKS, block_ids=blocks(50, CHUNKS), timeout=REQUEST_BOUND_S
+    )
     assert check_honest_load(loaded, blocks(50, CHUNKS)) == list(range(CHUNKS))
     assert client.result("lookup", seed=1, chunks=CHUNKS) == 0  # the old master's keys died with it
     assert holder.result("health") == 0
