@@ -12,6 +12,7 @@ store      fill the blocks with the prompt's bytes, then ``worker.store``; ``fil
 load       fill the blocks with a sentinel, ``worker.load``, then judge every chunk's bytes
 lookup     ``worker.lookup``
 direct     the same (address, size) pairs as the worker's, put or got by direct backend calls
+lookup_leased  like lookup, through ``batch_get_session_start`` (grants read leases)
 replicas   where the master places each chunk (``batch_get_replica_desc``): endpoints per key
 exists     ``backend.batch_exists`` of the prompt's keys
 health     the Mooncake client's ``health_check()``
@@ -184,6 +185,8 @@ class Node:
             return await loop.run_in_executor(None, self.direct, request)
         if op == "replicas":
             return await loop.run_in_executor(None, self.replicas, self.keys(request))
+        if op == "lookup_leased":
+            return await loop.run_in_executor(None, self.lookup_leased, self.keys(request))
         if op == "exists":
             return await loop.run_in_executor(None, self.backend.batch_exists, self.keys(request))
         if op == "health":
@@ -240,6 +243,15 @@ class Node:
             "loaded_tokens": leading * self.chunk_tokens,
             "failed_block_ids": [[b for k in sorted(still) for b in self.chunk_ids(block_ids, k).tolist()]],
         }
+
+    def lookup_leased(self, keys: list[str]) -> int:
+        """Leading tokens present, asked with ``batch_get_session_start``: the master answers with the
+        replicas and grants each found key a read lease (default 10 s), during which it is not evicted."""
+        store = self.backend._store  # not in the Backend protocol
+        codes = store.batch_get_session_start(keys)
+        store.batch_get_session_end(keys)  # drops the client's cached replica list; the lease stays
+        leading = next((k for k, code in enumerate(codes) if code != 0), len(codes))
+        return leading * self.chunk_tokens
 
     def replicas(self, keys: list[str]) -> dict[str, list[str]]:
         """Endpoints holding each key's replicas, from the master (diagnostics; a private handle)."""

@@ -20,13 +20,16 @@ import contextlib
 import ctypes
 import functools
 import logging
+import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -118,8 +121,6 @@ class Namespace:
 
 
 def _netns_id(pid: str) -> str:
-    import os
-
     return os.readlink(f"/proc/{pid}/ns/net")
 
 
@@ -130,7 +131,7 @@ class MasterProcess:
     namespace: Namespace
     extra_args: tuple[str, ...] = ()
     process: subprocess.Popen[bytes] | None = None
-    log: list[str] = field(default_factory=list)
+    log_path: Path | None = None  # the master's log (kept across restarts), deleted by close()
 
     @property
     def address(self) -> str:
@@ -146,9 +147,14 @@ class MasterProcess:
     def start(self, timeout: float = 15.0) -> None:
         if self.process is not None and self.process.poll() is None:
             raise RuntimeError("the master is already running")
-        self.process = self.namespace.popen(
-            self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="aiokv-cluster-master-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        with self.log_path.open("ab") as log:
+            self.process = self.namespace.popen(
+                self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=log
+            )
         self.namespace.wait_port(MASTER_HOST, MASTER_RPC_PORT, timeout)
         logger.info("mooncake_master pid %d answers on %s", self.process.pid, self.address)
 
@@ -159,6 +165,17 @@ class MasterProcess:
     def stop(self) -> None:
         if self.process is not None:
             stop_process(self.process, 10.0)
+
+    def log_tail(self, lines: int = 20) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def close(self) -> None:
+        self.stop()
+        if self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
+            self.log_path = None
 
     def freeze(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -245,7 +262,7 @@ class ClusterWorld:
     def close(self) -> None:
         """Stop the master and every namespace holder, by pid; idempotent."""
         if self.master is not None:
-            self.master.stop()
+            self.master.close()
         for namespace in reversed(self._namespaces):
             namespace.close()
         self._namespaces.clear()

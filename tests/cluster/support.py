@@ -62,9 +62,9 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def cluster_world(nodes: int = 3) -> Iterator[Cluster]:
+def cluster_world(nodes: int = 3, master_args: Sequence[str] = ()) -> Iterator[Cluster]:
     require_cluster()
-    cluster = Cluster(ClusterWorld(nodes).start())
+    cluster = Cluster(ClusterWorld(nodes, master_args=master_args).start())
     try:
         yield cluster
     finally:
