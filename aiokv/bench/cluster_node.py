@@ -8,6 +8,7 @@ then answers one line per request line. Requests run concurrently; each names an
 =========  =====================================================================================
 op         what it does (``seed`` and ``chunks`` name a prompt; ``block_ids``: one id per block)
 =========  =====================================================================================
+fill       write the prompt's bytes into the blocks (replies their digests)
 store      fill the blocks with the prompt's bytes, then ``worker.store``; ``fill: false`` skips it
 load       fill the blocks with a sentinel, ``worker.load``, then judge every chunk's bytes
 lookup     ``worker.lookup``
@@ -15,6 +16,7 @@ direct     the same (address, size) pairs as the worker's, put or got by direct 
 lookup_leased  like lookup, through ``batch_get_session_start`` (grants read leases)
 replicas   where the master places each chunk (``batch_get_replica_desc``): endpoints per key
 exists     ``backend.batch_exists`` of the prompt's keys
+remove     force-remove the prompt's keys (the worker's and the ``direct`` ones of ``tag``)
 health     the Mooncake client's ``health_check()``
 stats      ``worker.stats()``
 exit       close the worker and the client, then exit
@@ -133,6 +135,11 @@ class Node:
                 verdicts.append("wrong")
         return verdicts, sums
 
+    def direct_keys(self, request: dict[str, Any]) -> list[str]:
+        return [
+            f"direct/{request.get('tag', '')}/{request['seed']}/{k}" for k in range(int(request["chunks"]))
+        ]
+
     def direct_regions(self, request: dict[str, Any]) -> tuple[list[list[int]], list[list[int]]]:
         """The (address, size) pairs the worker computes for these chunks, one row per chunk."""
         chunks, block_ids = int(request["chunks"]), request["block_ids"]
@@ -150,8 +157,11 @@ class Node:
             sums = None
             if request.get("fill", True):
                 sums = self.fill(int(request["seed"]), int(request["chunks"]), request["block_ids"])
-            result = await self.worker.store(self.tokens(request), [request["block_ids"]], timeout=timeout)
+            tokens = self.tokens(request)
+            started = time.monotonic()
+            result = await self.worker.store(tokens, [request["block_ids"]], timeout=timeout)
             return {
+                "transfer_s": time.monotonic() - started,
                 "stored": result.stored,
                 "skipped": result.skipped,
                 "failed": result.failed,
@@ -163,8 +173,9 @@ class Node:
             seed, chunks, block_ids = int(request["seed"]), int(request["chunks"]), request["block_ids"]
             for chunk in range(chunks):
                 self.cache[:, self.chunk_ids(block_ids, chunk), :] = SENTINEL
+            tokens = self.tokens(request)
             started = time.monotonic()
-            loaded = await self.worker.load(self.tokens(request), [block_ids], timeout=timeout)
+            loaded = await self.worker.load(tokens, [block_ids], timeout=timeout)
             transfer_s = time.monotonic() - started
             reply: dict[str, Any] = {
                 "loaded_tokens": loaded.loaded_tokens,
@@ -185,6 +196,14 @@ class Node:
             return await loop.run_in_executor(None, self.direct, request)
         if op == "replicas":
             return await loop.run_in_executor(None, self.replicas, self.keys(request))
+        if op == "fill":
+            seed, chunks = int(request["seed"]), int(request["chunks"])
+            return await loop.run_in_executor(None, self.fill, seed, chunks, request["block_ids"])
+        if op == "remove":
+            keys = self.keys(request) + self.direct_keys(request)
+            return await loop.run_in_executor(
+                None, lambda: self.backend.batch_remove(keys, force=True).count(0)
+            )
         if op == "lookup_leased":
             return await loop.run_in_executor(None, self.lookup_leased, self.keys(request))
         if op == "exists":
@@ -200,7 +219,7 @@ class Node:
         if request.get("fill", False):
             self.fill(int(request["seed"]), int(request["chunks"]), request["block_ids"])
         addrs, sizes = self.direct_regions(request)
-        keys = [f"direct/{request['tag']}/{request['seed']}/{k}" for k in range(len(addrs))]
+        keys = self.direct_keys(request)
         per_call = max(1, int(self.backend.max_regions_per_call) // max(1, len(addrs[0]) if addrs else 1))
         call = self.backend.batch_put if request["direct_op"] == "put" else self.backend.batch_get
         codes: list[int] = []
