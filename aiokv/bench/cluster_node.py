@@ -13,6 +13,7 @@ store      fill the blocks with the prompt's bytes, then ``worker.store``; ``fil
 load       fill the blocks with a sentinel, ``worker.load``, then judge every chunk's bytes
 lookup     ``worker.lookup``
 direct     the same (address, size) pairs as the worker's, put or got by direct backend calls
+guarded_lookup  a lookup through the circuit-breaker prototype (:mod:`.guarded`); ``breaker``: its stats
 lookup_leased  like lookup, through ``batch_get_session_start`` (grants read leases)
 replicas   where the master places each chunk (``batch_get_replica_desc``): endpoints per key
 exists     ``backend.batch_exists`` of the prompt's keys
@@ -95,6 +96,8 @@ class Node:
             **config.get("worker", {}),
         )
         self._replica_reader: Any = None
+        self._guarded: Any = None
+        self.guarded_breaker: Any = None
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -204,6 +207,10 @@ class Node:
             return await loop.run_in_executor(
                 None, lambda: self.backend.batch_remove(keys, force=True).count(0)
             )
+        if op == "guarded_lookup":
+            return await self.guarded().lookup(self.keys(request)) * self.chunk_tokens
+        if op == "breaker":
+            return self.guarded_breaker.snapshot() if self.guarded_breaker is not None else None
         if op == "lookup_leased":
             return await loop.run_in_executor(None, self.lookup_leased, self.keys(request))
         if op == "exists":
@@ -262,6 +269,16 @@ class Node:
             "loaded_tokens": leading * self.chunk_tokens,
             "failed_block_ids": [[b for k in sorted(still) for b in self.chunk_ids(block_ids, k).tolist()]],
         }
+
+    def guarded(self) -> Any:
+        """The breaker-guarded lookup path (:mod:`.guarded`), made on first use."""
+        if self._guarded is None:
+            from ..breaker import BreakerConfig, CircuitBreaker
+            from .guarded import GuardedLookups
+
+            self.guarded_breaker = CircuitBreaker(BreakerConfig(**self.config.get("breaker", {})))
+            self._guarded = GuardedLookups(self.backend, self.guarded_breaker, self.health)
+        return self._guarded
 
     def lookup_leased(self, keys: list[str]) -> int:
         """Leading tokens present, asked with ``batch_get_session_start``: the master answers with the
