@@ -85,11 +85,17 @@ class Namespace:
         # unshare execs sleep once the namespace exists: wait for that, so nsenter enters the new one.
         own = _netns_id("self")
         deadline = time.monotonic() + 10
-        while _netns_id(str(self.pid)) == own:
+        while True:
             if self._holder.poll() is not None:
                 error = self._holder.stderr.read().decode(errors="replace") if self._holder.stderr else ""
                 raise OSError(f"unshare -n failed for namespace {name}: {error.strip()}")
+            try:
+                if _netns_id(str(self.pid)) != own:
+                    break
+            except FileNotFoundError:
+                pass  # exiting: poll() says so next time round
             if time.monotonic() > deadline:
+                self.close()
                 raise TimeoutError(f"namespace {name} was not created within 10 s")
             time.sleep(0.005)
 
