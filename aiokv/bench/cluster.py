@@ -37,7 +37,7 @@ def _throughput(world: ClusterWorld, blocks_per_chunk: int, total_mib: int, roun
     chunk_bytes = REGIONS * BLOCK_LEN * blocks_per_chunk
     chunks = max(1, (total_mib << 20) // chunk_bytes)
     num_blocks = chunks * blocks_per_chunk
-    geometry = {
+    geometry: dict[str, Any] = {
         "regions": REGIONS,
         "block_len": BLOCK_LEN,
         "block_size": BLOCK_SIZE,
@@ -52,7 +52,7 @@ def _throughput(world: ClusterWorld, blocks_per_chunk: int, total_mib: int, roun
     try:
         for round_ in range(rounds):
             seed = 100 * blocks_per_chunk + round_
-            prompt = {"seed": seed, "chunks": chunks, "block_ids": ids}
+            prompt: dict[str, Any] = {"seed": seed, "chunks": chunks, "block_ids": ids}
             writer.result("fill", **prompt)
             # Who goes first alternates per round, so neither side always meets cold connections.
             order = ["worker_store", "direct_put", "worker_load", "direct_get"]

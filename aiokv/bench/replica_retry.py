@@ -33,7 +33,7 @@ class ReplicaReader:
     ``local_hostname``: this node's address; ``spans``: the local memory to register, as (addr, size)."""
 
     def __init__(self, store: Any, local_hostname: str, spans: Sequence[tuple[int, int]]) -> None:
-        from mooncake.engine import TransferEngine
+        from mooncake.engine import TransferEngine  # type: ignore[import-untyped]
 
         self._store = store
         self._engine = TransferEngine()

@@ -3,6 +3,8 @@ the same address the same workers store and load again (the old keys are gone wi
 
 from __future__ import annotations
 
+from typing import Any
+
 from .support import REQUEST_BOUND_S, Cluster, blocks, check_honest_load, wait_for
 
 CHUNKS = 16
@@ -15,7 +17,7 @@ def test_master_restart(cluster: Cluster) -> None:
     assert cluster.world.master is not None
     cluster.world.master.kill()
 
-    requests = {
+    requests: dict[str, dict[str, Any]] = {
         "lookup": {"seed": 1},
         "store": {"seed": 2, "block_ids": blocks(0, CHUNKS)},
         "load": {"seed": 1, "block_ids": blocks(50, CHUNKS)},
