@@ -45,10 +45,15 @@ _TOOLS = ("unshare", "nsenter", "ip")
 _PR_SET_PDEATHSIG = 1
 
 
+# Resolved once in the parent: the child between fork and exec must not dlopen (another thread may hold
+# the loader's lock at fork time).
+_prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
 def _die_with_parent() -> None:
     """In the child before exec: SIGKILL when the process that started it dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def stop_process(process: subprocess.Popen[Any], timeout: float, sig: int = signal.SIGTERM) -> None:
