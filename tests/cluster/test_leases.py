@@ -20,7 +20,7 @@ MASTER_ARGS = (
     "--eviction_ratio=0.1",
 )
 ROUNDS = 12
-PRESSURE_STORES = 4
+PRESSURE_STORES = 6
 
 
 @pytest.mark.parametrize("lookup", ["lookup", "lookup_leased"])
@@ -29,7 +29,7 @@ def test_chunks_evicted_between_lookup_and_load(lookup: str, record_property: An
         cluster.node(0, segment_size=32 << 20)
         reader = cluster.node(1)
         writer = cluster.node(2, worker={"pressure_backoff_s": 0.0})
-        found_total = lost_total = rounds_within_lease = 0
+        found_total = lost_total = rounds_within_lease = pressure_failed = 0
         for round_ in range(ROUNDS):
             seed = 1000 + round_
             writer.result("store", seed=seed, chunks=CHUNKS, block_ids=blocks(0, CHUNKS))
@@ -46,12 +46,17 @@ def test_chunks_evicted_between_lookup_and_load(lookup: str, record_property: An
                 for j in range(PRESSURE_STORES)
             ]
             wait(pressure, REQUEST_BOUND_S * 2)
+            pressure_failed += sum(future.result()["result"]["failed"] for future in pressure)
             target = blocks(200, CHUNKS)
             loaded = reader.result(
                 "load", seed=seed, chunks=CHUNKS, block_ids=target, timeout=REQUEST_BOUND_S
             )
             within_lease = time.monotonic() - started < LEASE_MS / 1000
             check_honest_load(loaded, target)
+            # Emptied for the next round: the next prompt is then the only object old enough to evict.
+            writer.result("remove", seed=seed, chunks=CHUNKS)
+            for j in range(PRESSURE_STORES):
+                writer.result("remove", seed=5000 + 10 * round_ + j, chunks=CHUNKS)
             lost = max(0, found - loaded["loaded_tokens"] // 16)
             if lookup == "lookup_leased" and within_lease:
                 assert lost == 0, "a chunk under the lookup's read lease was evicted"
@@ -62,6 +67,7 @@ def test_chunks_evicted_between_lookup_and_load(lookup: str, record_property: An
         record_property("evicted_before_load", lost_total)
         print(
             f"{lookup}: {lost_total} of {found_total} looked-up chunks were gone at load "
-            f"({rounds_within_lease} of {ROUNDS} rounds loaded within the lease)"
+            f"({rounds_within_lease} of {ROUNDS} rounds loaded within the lease; "
+            f"{pressure_failed} competing chunks refused for space)"
         )
         assert found_total > 0  # the measurement measured something
