@@ -305,7 +305,7 @@ from aiokv import KVLayout, MemoryBackend, ThreadedKVWorker, WorkerClosedError
 report = []
 for round_ in range(int(sys.argv[1])):
     region = np.zeros((16, 64), dtype=np.uint8)
-    layout = KVLayout([region.ctypes.data], 64, 4, 16)
+    layout = KVLayout([region.ctypes.data], [64], 4, 16)
     worker = ThreadedKVWorker(layout, MemoryBackend(1 << 20), namespace="race", chunk_tokens=8)
     start = threading.Barrier(17)
     outcomes = []
