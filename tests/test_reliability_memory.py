@@ -2,7 +2,9 @@
 whatever the regions' alignment or block length, and the bytes moved are exact.
 
 Peak memory is measured with ``tracemalloc``, which NumPy reports its buffers to; the store's own heap
-is allocated (by a first small put) before measuring, so only a call's temporaries count.
+is allocated (by a first small put) before measuring, so only a call's temporaries count. The bound is
+on bytes: per-region bookkeeping (a few int64 arrays over the regions) is on top, and dominates only for
+regions of a few dozen bytes, far below a KV block.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ def _regions(base: int, misalign: int, block_len: int, count: int) -> tuple[np.n
 
 @pytest.mark.parametrize(
     ("block_len", "misalign"),
-    [(32767, 0), (32767, 2), (32768, 2), (32768, 0), (4096, 0), (24, 8)],
-    ids=["odd-len", "odd-len-misaligned", "misaligned", "aligned", "page", "small-regions"],
+    [(32767, 0), (32767, 2), (32768, 2), (32768, 0), (4096, 0), (1000, 2), (1001, 3)],
+    ids=["odd-len", "odd-len-misaligned", "misaligned", "aligned", "page", "1000-misaligned", "1001-odd"],
 )
 def test_memory_backend_temporaries_stay_within_twice_the_bytes_of_a_call(
     block_len: int, misalign: int
