@@ -20,6 +20,8 @@ BoolArray = npt.NDArray[np.bool_]
 IntArrayLike = Sequence[int] | Sequence[Sequence[int]] | npt.NDArray[np.integer[Any]]
 
 _INT64_MAX = np.iinfo(np.int64).max
+# Timeouts at least this long (about 31 years) mean no deadline.
+NO_DEADLINE_AFTER_S = 1e9
 
 
 class NonIntegerError(InvalidRequestError, TypeError):
@@ -51,6 +53,10 @@ def as_int64_array(value: object, name: str, *, ndim: int | None = None) -> IntA
         if array.size == 0 and array.dtype.kind == "f":
             # np.asarray([]) is float64; an empty sequence holds no wrong value.
             array = array.astype(np.int64)
+        elif _only_ints(value, array):
+            # NumPy made floats or objects of Python ints because one is past int64 ([0, 2**63] is
+            # float64): name the range, not a dtype the caller never used.
+            raise InvalidRequestError(f"{name} must hold integers within int64 (found one past that range)")
         elif array.dtype.kind == "O":
             raise InvalidRequestError(
                 f"{name} must hold integers within int64 (found values NumPy cannot store as integers)"
@@ -60,6 +66,36 @@ def as_int64_array(value: object, name: str, *, ndim: int | None = None) -> IntA
     if ndim is not None and array.ndim != ndim and not (array.size == 0 and array.ndim == 1):
         raise InvalidRequestError(f"{name} must be {ndim}-dimensional, got shape {array.shape}")
     return np.ascontiguousarray(array, dtype=np.int64)
+
+
+def _only_ints(value: object, array: np.ndarray) -> bool:
+    """True when ``value`` (a sequence, not an array) that NumPy stored as floats or objects holds
+    only ints (only in the error path: it walks every element)."""
+    if isinstance(value, np.ndarray) or array.dtype.kind not in "fO":
+        return False
+    items = np.asarray(value, dtype=object).ravel().tolist()
+    return all(isinstance(item, (int, np.integer)) for item in items)
+
+
+def as_timeout(value: object, name: str = "timeout") -> float | None:
+    """A request timeout in seconds as a float, or None for no deadline.
+
+    Any real number > 0 is accepted (Python or NumPy, int or float); ``None``, ``math.inf`` and values
+    too large for a float or past :data:`NO_DEADLINE_AFTER_S` mean no deadline, the same on every event
+    loop (asyncio's ``call_later`` overflows on them, uvloop's does not). Bools, NaN, 0, negatives and
+    non-numbers are refused.
+    """
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise InvalidRequestError(f"{name} must be a positive number of seconds, got {value!r}")
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int past the float range: a deadline nobody will see
+        return None
+    if not seconds > 0:  # also refuses NaN
+        raise InvalidRequestError(f"{name} must be a positive number of seconds, got {value!r}")
+    return None if seconds >= NO_DEADLINE_AFTER_S else seconds
 
 
 def as_positive_int(value: object, name: str) -> int:

@@ -48,7 +48,8 @@ class RegionTable:
                     f"per key ({len(keys)} keys)"
                 )
             width = flat_addrs.shape[1]
-            offsets = np.arange(0, (len(keys) + 1) * width, width, dtype=np.int64)
+            # Zero width: every key has no region (answered INVALID per key, as empty list rows are).
+            offsets = np.arange(len(keys) + 1, dtype=np.int64) * width
             return cls(flat_addrs.ravel(), flat_sizes.ravel(), offsets)
         if len(addrs) != len(keys) or len(sizes) != len(keys):
             raise InvalidRequestError(
