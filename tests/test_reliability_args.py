@@ -25,7 +25,8 @@ from aiokv import (
 )
 from aiokv.backends.base import INVALID
 from aiokv.testing import FaultInjectingBackend, FaultRule
-from tests.helpers import SENTINEL, PagedCache, chunk_keys, chunk_value, read_value
+from aiokv.testing.paged_cache import SENTINEL, PagedCache, chunk_value
+from tests.helpers import chunk_keys, read_value
 from tests.mooncake_support import registered, unique_keys
 
 CHUNK = 8

@@ -32,7 +32,8 @@ from aiokv import (
     WorkerClosedError,
 )
 from aiokv.testing import FaultInjectingBackend, FaultRule
-from tests.helpers import SENTINEL, PagedCache, aiokv_threads, chunk_keys, chunk_value, read_value
+from aiokv.testing.paged_cache import SENTINEL, PagedCache, chunk_value
+from tests.helpers import aiokv_threads, chunk_keys, read_value
 
 try:
     import uvloop

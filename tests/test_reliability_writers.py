@@ -26,7 +26,8 @@ import pytest
 
 from aiokv import KVWorker, MemoryBackend, StoreResult
 from aiokv.testing import FaultInjectingBackend
-from tests.helpers import SENTINEL, PagedCache, chunk_keys, chunk_value
+from aiokv.testing.paged_cache import SENTINEL, PagedCache, chunk_value
+from tests.helpers import chunk_keys
 
 CHUNK = 8
 # Odd block lengths: the embedded backend copies these byte by byte, so a put of a few MiB lasts long

@@ -5,6 +5,7 @@ See :mod:`aiokv.testing` for how a :class:`~aiokv.testing.FaultInjectingBackend`
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 from collections.abc import Callable, Collection
@@ -97,7 +98,10 @@ class FaultRule:
     def make_exception(self, op: str) -> BaseException:
         exc = self.exception
         if isinstance(exc, BaseException):
-            return exc
+            # A fresh copy per firing: re-raising one instance grows its traceback without bound.
+            fresh = copy.copy(exc)
+            fresh.__traceback__ = None
+            return fresh
         if exc is None or exc is InjectedFault:
             return InjectedFault(f"injected fault in {op}")
         return exc(f"injected fault in {op}")
