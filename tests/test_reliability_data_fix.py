@@ -9,15 +9,22 @@ items 3 and 4, real Mooncake clients of a real master (those need a private netw
 from __future__ import annotations
 
 import asyncio
+import threading
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 
-from aiokv import HashedPrompt, InvalidRequestError, KVWorker, MemoryBackend
+from aiokv import HashedPrompt, InvalidRequestError, KVWorker, MemoryBackend, StoreResult
+from aiokv._engine import confirm as confirm_module
+from aiokv.backends import memory as memory_backend
+from aiokv.backends.base import NOT_FOUND
+from aiokv.codes import Code
 from aiokv.testing import SENTINEL, FaultInjectingBackend, PagedCache, chunk_value
-from tests.helpers import chunk_keys, read_value
+from tests.helpers import chunk_keys, read_value, wait_until
+from tests.mooncake_support import segment_holder
 
 CHUNK = 8
 NAMESPACE = "data-fix"
@@ -250,3 +257,212 @@ async def test_bad_hashed_prompt_values_fail_alone_and_never_reach_the_store(
         assert (await good_load).loaded_tokens == 2 * CHUNK
     assert len(rig.inner) == 2, "a key of the bad prompt reached the store"
     assert sorted(rig.backend.sent_keys("put")) == sorted(rig.keys(tokens))
+
+
+# -- item 3: two writers of one prompt --------------------------------------------------------------------
+
+WRITERS_CHUNKS = 6
+
+
+class PausedCopy:
+    """Pauses the next MemoryBackend copy once armed: a put then holds its keys "being written" (space
+    reserved, bytes not yet copied) until :meth:`release`, with the real backend around it."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered = threading.Event()
+        self._release = threading.Event()
+        self._armed = False
+        for name in ("_gather", "_scatter"):
+            monkeypatch.setattr(memory_backend, name, self._wrap(getattr(memory_backend, name)))
+
+    def arm(self) -> None:
+        self._armed = True
+
+    def release(self) -> None:
+        self._release.set()
+
+    def _wrap(self, copy: Callable[..., Any]) -> Callable[..., Any]:
+        def paused(*args: Any, **kwargs: Any) -> Any:
+            if self._armed:
+                self._armed = False
+                self.entered.set()
+                assert self._release.wait(30), "the paused copy was never released"
+            return copy(*args, **kwargs)
+
+        return paused
+
+
+class TwoEngines:
+    """Two engines holding the same prompt's KV, each with a worker on one shared backend."""
+
+    def __init__(self, backend: Any, namespace: str = NAMESPACE, spec: dict[str, Any] | None = None) -> None:
+        self.spec = spec or SPEC
+        self.per_chunk = CHUNK // self.spec["block_size"]
+        self.caches = [PagedCache.allocate([self.spec], fill=SENTINEL) for _ in range(2)]
+        self.backend = backend
+        self.namespace = namespace
+        count = WRITERS_CHUNKS * self.per_chunk
+        self.src = np.arange(0, 2 * count, 2, dtype=np.int64)  # every other block: one region per block
+        self.dst = np.arange(1, 2 * count, 2, dtype=np.int64)
+        rng = np.random.default_rng(31)
+        for first, second in zip(self.caches[0][0].regions, self.caches[1][0].regions, strict=True):
+            first[self.src] = rng.integers(0, 256, size=(self.src.size, first.shape[1]), dtype=np.uint8)
+            second[self.src] = first[self.src]
+        self.tokens = rng.integers(0, 50_000, size=WRITERS_CHUNKS * CHUNK, dtype=np.int64)
+
+    def worker(self, engine: int, backend: Any = None) -> KVWorker:
+        return KVWorker(
+            self.caches[engine].layouts,
+            self.backend if backend is None else backend,
+            namespace=self.namespace,
+            chunk_tokens=CHUNK,
+            pressure_backoff_s=0,
+        )
+
+    def keys(self) -> list[str]:
+        return chunk_keys(self.tokens, CHUNK, self.caches[0][0].layout, 0, self.namespace)
+
+    def chunk_bytes(self, chunk: int) -> bytes:
+        return chunk_value(self.caches[0][0], self.src[chunk * self.per_chunk : (chunk + 1) * self.per_chunk])
+
+    def readable(self, backend: Any) -> list[bool]:
+        """Per chunk, whether a read through ``backend`` gives its bytes now."""
+        return [
+            read_value(backend, key, len(self.chunk_bytes(c))) == self.chunk_bytes(c)
+            for c, key in enumerate(self.keys())
+        ]
+
+
+def counted(result: StoreResult) -> list[int]:
+    """The chunks a store result counts stored or skipped: the ones that must be readable."""
+    return [c for c in range(WRITERS_CHUNKS) if c not in result.failed_chunks]
+
+
+def test_a_memory_backend_key_exists_only_once_its_bytes_are_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """MemoryBackend's visibility: while a put copies, its keys are absent to exists and get; a second
+    put of them answers success at once (the first value wins, as Mooncake answers); once the copy
+    ends they exist with the first put's bytes."""
+    pause = PausedCopy(monkeypatch)
+    backend = MemoryBackend(capacity_bytes=1 << 20)
+    first, second, out = (np.full(4096, v, dtype=np.uint8) for v in (1, 2, 0))
+    for buffer in (first, second, out):
+        backend.register_buffer(int(buffer.ctypes.data), buffer.nbytes)
+    keys = ["k0", "k1"]
+
+    def regions(buffer: np.ndarray) -> tuple[list[list[int]], list[list[int]]]:
+        return [[int(buffer.ctypes.data)], [int(buffer.ctypes.data) + 2048]], [[2048], [2048]]
+
+    pause.arm()
+    writer = threading.Thread(target=backend.batch_put, args=(keys, *regions(first)))
+    writer.start()
+    try:
+        assert pause.entered.wait(30)
+        assert backend.batch_exists(keys) == [False, False]
+        assert backend.batch_get(keys, *regions(out)) == [NOT_FOUND, NOT_FOUND]
+        assert backend.batch_put(keys, *regions(second)) == [0, 0]  # being written: success, no copy
+        assert backend.batch_exists(keys) == [False, False]
+    finally:
+        pause.release()
+        writer.join(30)
+    assert backend.batch_exists(keys) == [True, True]
+    assert backend.batch_get(keys, *regions(out)) == [2048, 2048]
+    assert (out == 1).all(), "the first put's bytes were not the ones kept"
+
+
+@pytest.mark.asyncio
+async def test_a_second_writer_on_one_memory_backend_counts_only_readable_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two workers on one MemoryBackend store one prompt: while the first one's put is still copying,
+    the second's store is not reported done; it is once the bytes are readable, all counted."""
+    pause = PausedCopy(monkeypatch)
+    engines = TwoEngines(MemoryBackend(capacity_bytes=16 << 20))
+    async with engines.worker(0) as first, engines.worker(1) as second:
+        pause.arm()
+        store_a = first.store(engines.tokens, [engines.src])
+        try:
+            assert await asyncio.to_thread(pause.entered.wait, 30)
+            store_b = second.store(engines.tokens, [engines.src])
+            await asyncio.sleep(0.3)  # the second store's put has answered; its chunks are not readable
+            assert not store_b.done(), f"reported {store_b.result()} while the first writer was still copying"
+            assert await second.lookup(engines.tokens) == 0
+        finally:
+            pause.release()
+        result_b = await asyncio.wait_for(store_b, 30)
+        readable = engines.readable(engines.backend)  # at the moment the result arrived
+        assert counted(result_b) == list(range(WRITERS_CHUNKS)), result_b
+        assert all(readable[c] for c in counted(result_b)), (result_b, readable)
+        assert (await store_a).stored == WRITERS_CHUNKS
+
+
+@pytest.mark.asyncio
+async def test_a_second_writer_reports_write_in_progress_when_the_other_write_outlasts_the_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """When the other writer's write lasts past the wait, the second store counts none of those chunks:
+    each is failed with WRITE_IN_PROGRESS (-12). A retry once the write ended counts them skipped."""
+    monkeypatch.setattr(confirm_module, "OTHER_WRITER_WAIT_S", 0.2)
+    pause = PausedCopy(monkeypatch)
+    engines = TwoEngines(MemoryBackend(capacity_bytes=16 << 20))
+    async with engines.worker(0) as first, engines.worker(1) as second:
+        pause.arm()
+        store_a = first.store(engines.tokens, [engines.src])
+        try:
+            assert await asyncio.to_thread(pause.entered.wait, 30)
+            result_b = await asyncio.wait_for(second.store(engines.tokens, [engines.src]), 30)
+            assert not any(engines.readable(engines.backend))
+        finally:
+            pause.release()
+        assert result_b.failed == WRITERS_CHUNKS and counted(result_b) == [], result_b
+        assert result_b.errors == {int(Code.WRITE_IN_PROGRESS): WRITERS_CHUNKS}, result_b
+        assert (await store_a).stored == WRITERS_CHUNKS
+        retry = await second.store(engines.tokens, [engines.src])
+        assert (retry.stored, retry.skipped, retry.failed) == (0, WRITERS_CHUNKS, 0), retry
+    assert all(engines.readable(engines.backend))
+
+
+# Many small regions: a put from a pure client to another process's segment moves ~37k slices/s over
+# TCP, so the first writer's put of these lasts tens of milliseconds, long enough to be overtaken.
+MOONCAKE_SPEC = {"num_regions": 64, "num_blocks": 64, "block_size": 4, "block_lens": 2048}
+
+
+class PutObserver:
+    """A real backend seen through: records, as each put returns, how many calls ``other`` has in
+    flight (so the test knows its put answered while the other writer was still writing)."""
+
+    def __init__(self, inner: Any, other: FaultInjectingBackend) -> None:
+        self.inner = inner
+        self.other = other
+        self.other_in_flight_after_put: list[int] = []
+
+    def batch_put(self, keys: Any, addrs: Any, sizes: Any) -> list[int]:
+        codes: list[int] = self.inner.batch_put(keys, addrs, sizes)
+        self.other_in_flight_after_put.append(self.other.in_flight)
+        return codes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.mark.asyncio
+async def test_a_second_mooncake_writer_counts_only_readable_chunks(
+    mooncake_master_factory: Any, mooncake_backend_factory: Any
+) -> None:
+    """Two real Mooncake clients store one prompt at once (both pure clients; the bytes go to another
+    process's segment): the second's put answers success while the first is still writing, yet its
+    result counts a chunk stored only when a read through it gives the chunk's bytes."""
+    master = mooncake_master_factory()
+    with segment_holder(master.address):
+        client_a = FaultInjectingBackend(mooncake_backend_factory(master.address, global_segment_size=0))
+        client_b = PutObserver(mooncake_backend_factory(master.address, global_segment_size=0), client_a)
+        engines = TwoEngines(client_a, namespace=f"writers-{uuid.uuid4().hex[:8]}", spec=MOONCAKE_SPEC)
+        async with engines.worker(0) as first, engines.worker(1, client_b) as second:
+            store_a = first.store(engines.tokens, [engines.src])
+            await wait_until(lambda: bool(client_a.calls_of("exists")) and client_a.in_flight == 1)
+            await asyncio.sleep(0.002)  # the first put has reached the master
+            result_b = await asyncio.wait_for(second.store(engines.tokens, [engines.src]), 30)
+            readable = await asyncio.to_thread(engines.readable, client_b)
+            assert client_b.other_in_flight_after_put[:1] == [1], "the first writer finished too soon"
+            assert all(readable[c] for c in counted(result_b)), (result_b, readable)
+            assert counted(result_b) == list(range(WRITERS_CHUNKS)), result_b
+            assert (await store_a).stored == WRITERS_CHUNKS

@@ -82,7 +82,9 @@ class Backend(Protocol):
     def batch_put(self, keys: Sequence[str], addrs: Regions, sizes: Regions) -> list[int]:
         """Store each key's regions; per key ``>= 0`` on success, else a negative code.
 
-        A key that already exists keeps its old value (and reports success).
+        A key that already exists keeps its old value (and reports success). So does a key another
+        writer is still writing, possibly before its bytes are readable: ``batch_exists`` must answer
+        True only for keys whose bytes are all readable, as the worker confirms puts with it.
         """
         ...
 
