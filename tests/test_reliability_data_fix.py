@@ -9,6 +9,10 @@ items 3 and 4, real Mooncake clients of a real master (those need a private netw
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
 import threading
 import uuid
 from collections.abc import Callable
@@ -19,10 +23,11 @@ import pytest
 
 from aiokv import HashedPrompt, InvalidRequestError, KVWorker, MemoryBackend, StoreResult
 from aiokv._engine import confirm as confirm_module
+from aiokv._engine.unreadable import UnreadableKeys
 from aiokv.backends import memory as memory_backend
-from aiokv.backends.base import NOT_FOUND
+from aiokv.backends.base import NOT_FOUND, TRANSFER_FAILED, backend_traits, check_backend
 from aiokv.codes import Code
-from aiokv.testing import SENTINEL, FaultInjectingBackend, PagedCache, chunk_value
+from aiokv.testing import SENTINEL, FaultInjectingBackend, FaultRule, PagedCache, chunk_value
 from tests.helpers import chunk_keys, read_value, wait_until
 from tests.mooncake_support import segment_holder
 
@@ -466,3 +471,177 @@ async def test_a_second_mooncake_writer_counts_only_readable_chunks(
             assert all(readable[c] for c in counted(result_b)), (result_b, readable)
             assert counted(result_b) == list(range(WRITERS_CHUNKS)), result_b
             assert (await store_a).stored == WRITERS_CHUNKS
+
+
+# -- item 4: a dead writer's keys ------------------------------------------------------------------------
+
+
+class TwoPrompts(TwoEngines):
+    """Two engines holding different bytes for one prompt (the dead writer's and the live writer's),
+    so the store shows whose bytes a key holds."""
+
+    def __init__(self, backend: Any, namespace: str = NAMESPACE, spec: dict[str, Any] | None = None) -> None:
+        super().__init__(backend, namespace, spec)
+        rng = np.random.default_rng(47)
+        for region in self.caches[1][0].regions:
+            region[self.src] = rng.integers(0, 256, size=(self.src.size, region.shape[1]), dtype=np.uint8)
+
+    def live_bytes(self, chunk: int) -> bytes:
+        return chunk_value(self.caches[1][0], self.src[chunk * self.per_chunk : (chunk + 1) * self.per_chunk])
+
+    def loaded_live_bytes(self) -> bool:
+        dst = self.caches[1][0]
+        return all(
+            chunk_value(dst, self.dst[c * self.per_chunk : (c + 1) * self.per_chunk]) == self.live_bytes(c)
+            for c in range(WRITERS_CHUNKS)
+        )
+
+
+@pytest.mark.asyncio
+async def test_keys_whose_reads_failed_are_rewritten_by_the_next_store_faults() -> None:
+    """(Injected faults.) Keys that exist but whose gets answer -800 (a dead writer's) are not skipped
+    by the next store: it removes them (force) and puts its own bytes, reports them stored, and a load
+    then reads those bytes; once rewritten, a store skips them again."""
+    engines = TwoPrompts(FaultInjectingBackend(MemoryBackend(capacity_bytes=16 << 20)))
+    backend = engines.backend
+    keys = engines.keys()
+    async with engines.worker(0) as dead, engines.worker(1) as live:
+        assert (await dead.store(engines.tokens, [engines.src])).stored == WRITERS_CHUNKS
+        backend.add_rule(FaultRule(op="get", keys=set(keys), code=TRANSFER_FAILED, times=1))  # one call
+        before = await live.load(engines.tokens, [engines.dst])
+        assert before.loaded_tokens == 0 and before.errors == {TRANSFER_FAILED: WRITERS_CHUNKS}, before
+        backend.clear_calls()
+        result = await live.store(engines.tokens, [engines.src])
+        assert (result.stored, result.skipped, result.failed) == (WRITERS_CHUNKS, 0, 0), result
+        assert sorted(backend.sent_keys("put")) == sorted(keys)
+        after = await live.load(engines.tokens, [engines.dst])
+        assert after.loaded_tokens == WRITERS_CHUNKS * CHUNK, after
+        assert engines.loaded_live_bytes(), "the load did not read the live writer's bytes"
+        again = await live.store(engines.tokens, [engines.src])  # rewritten once: now a plain skip
+        assert (again.stored, again.skipped) == (0, WRITERS_CHUNKS), again
+
+
+class NoRemoveBackend:
+    """A real MemoryBackend offering only the required protocol (no ``batch_remove``)."""
+
+    def __init__(self, inner: FaultInjectingBackend) -> None:
+        self.register_buffer = inner.register_buffer
+        self.batch_exists = inner.batch_exists
+        self.batch_put = inner.batch_put
+        self.batch_get = inner.batch_get
+        self.close = inner.close
+
+
+@pytest.mark.asyncio
+async def test_without_batch_remove_unreadable_keys_are_reported_failed_not_skipped() -> None:
+    """The documented default: a backend without ``batch_remove`` cannot drop a dead value, so a store
+    reports those chunks failed (TRANSFER_FAILED), and skips only the chunks reads did not fail on."""
+    recorded = FaultInjectingBackend(MemoryBackend(capacity_bytes=16 << 20))
+    engines = TwoPrompts(NoRemoveBackend(recorded))
+    keys = engines.keys()
+    async with engines.worker(0) as dead, engines.worker(1) as live:
+        assert (await dead.store(engines.tokens, [engines.src])).stored == WRITERS_CHUNKS
+        recorded.add_rule(FaultRule(op="get", keys={keys[2]}, code=TRANSFER_FAILED, times=1))
+        before = await live.load(engines.tokens, [engines.dst])
+        assert before.loaded_tokens == 2 * CHUNK, before
+        result = await live.store(engines.tokens, [engines.src])
+    assert result.failed_chunks == (2,) and result.skipped == WRITERS_CHUNKS - 1, result
+    assert result.errors == {TRANSFER_FAILED: 1}, result
+
+
+_DEAD_WRITER = """
+import asyncio, sys
+import numpy as np
+from aiokv import KVWorker, MooncakeBackend
+from aiokv.testing import PagedCache
+
+master, namespace = sys.argv[1], sys.argv[2]
+tokens, ids, spec = eval(sys.argv[3]), eval(sys.argv[4]), eval(sys.argv[5])
+cache = PagedCache.allocate([spec], seed=5)  # other bytes than the live writer's
+backend = MooncakeBackend.from_master(master, global_segment_size="64MiB")
+
+async def main():
+    async with KVWorker(cache.layouts, backend, namespace=namespace, chunk_tokens=int(sys.argv[6])) as worker:
+        result = await worker.store(tokens, [np.asarray(ids)])
+        print("stored", result.stored, flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.asyncio
+async def test_a_live_writer_rewrites_a_sigkilled_writers_keys_and_reports_what_is_readable(
+    mooncake_master_factory: Any, mooncake_backend_factory: Any
+) -> None:
+    """(Real SIGKILL.) A writer process stores a prompt into its own segment and is SIGKILLed: the master
+    still lists its keys while gets fail. A live writer's load fails (-800/-704); its store then
+    rewrites every key (remove + put; puts placed on the dead segment are retried), skips none, and
+    counts only chunks a read gives back at once; at most two more stores make the prompt whole, and a
+    load reads the live writer's bytes."""
+    master = mooncake_master_factory()
+    namespace = f"dead-{uuid.uuid4().hex[:8]}"
+    engines = TwoPrompts(None, namespace=namespace)
+    args = [repr(engines.tokens.tolist()), repr(engines.src.tolist()), repr(engines.spec), str(CHUNK)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _DEAD_WRITER, master.address, namespace, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
+    try:
+        assert writer.stdout is not None
+        line = await asyncio.wait_for(asyncio.to_thread(writer.stdout.readline), 60)
+        assert line.split() == ["stored", str(WRITERS_CHUNKS)], line
+        os.kill(writer.pid, signal.SIGKILL)  # its segment, holding every chunk, dies with it
+        await asyncio.to_thread(writer.wait, 30)
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait(30)
+    # Connected after the kill, so every chunk the dead writer stored lies on its own (dead) segment.
+    live_backend = engines.backend = mooncake_backend_factory(master.address)  # a segment of its own
+    keys = engines.keys()
+    assert all(await asyncio.to_thread(live_backend.batch_exists, keys)), "the master forgot the keys at once"
+    size = len(engines.live_bytes(0))
+    async with engines.worker(1) as live:
+        before = await live.load(engines.tokens, [engines.dst])
+        assert before.loaded_tokens == 0 and set(before.errors) <= {-800, -704}, before
+        results: list[StoreResult] = []
+        for _ in range(3):  # puts still placed on the dead segment fail, honestly; a retry stores them
+            result = await asyncio.wait_for(live.store(engines.tokens, [engines.src]), 60)
+            readable = await asyncio.to_thread(lambda: [read_value(live_backend, k, size) for k in keys])
+            for c in counted(result):
+                assert readable[c] == engines.live_bytes(c), f"{result} counts unreadable chunk {c}"
+            results.append(result)
+            if not result.failed:
+                break
+        assert results[0].skipped == 0, f"{results[0]}: skipped chunks only a dead writer's segment held"
+        assert results[-1].failed == 0, results
+        after = await live.load(engines.tokens, [engines.dst])
+        assert after.loaded_tokens == WRITERS_CHUNKS * CHUNK, after
+        assert engines.loaded_live_bytes()
+
+
+def test_the_unreadable_keys_are_bounded_and_batch_remove_is_checked_as_an_optional_method() -> None:
+    """The worker remembers at most its capacity of unreadable keys (the oldest go first), and
+    check_backend refuses a ``batch_remove`` that is not a method."""
+    remembered = UnreadableKeys(capacity=3)
+    remembered.add(["a", "b", "c"])
+    remembered.add(["d", "b"])
+    assert len(remembered) == 3
+    assert remembered.contains(["a", "b", "c", "d"]).tolist() == [False, True, True, True]
+    remembered.discard(["b", "zz"])
+    assert remembered.contains(["b", "c", "d"]).tolist() == [False, True, True]
+
+    class BadRemove(MemoryBackend):
+        batch_remove = 3  # type: ignore[assignment]
+
+    with pytest.raises(TypeError, match="batch_remove must be a method"):
+        check_backend(BadRemove())
+    assert backend_traits(MemoryBackend()).can_remove
+    assert not backend_traits(NoRemoveBackend(FaultInjectingBackend(MemoryBackend()))).can_remove  # type: ignore[arg-type]
