@@ -426,6 +426,32 @@ async def test_a_second_writer_reports_write_in_progress_when_the_other_write_ou
     assert all(engines.readable(engines.backend))
 
 
+@pytest.mark.asyncio
+async def test_a_store_waiting_for_another_writer_ends_when_cancelled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A store waiting for another writer's write is cancelled: it ends within seconds (its next poll),
+    not after the whole wait, and the other writer's store is unaffected."""
+    monkeypatch.setattr(confirm_module, "OTHER_WRITER_WAIT_S", 60.0)
+    pause = PausedCopy(monkeypatch)
+    engines = TwoEngines(FaultInjectingBackend(MemoryBackend(capacity_bytes=16 << 20)))
+    async with engines.worker(0) as first, engines.worker(1) as second:
+        pause.arm()
+        store_a = first.store(engines.tokens, [engines.src])
+        try:
+            assert await asyncio.to_thread(pause.entered.wait, 30)
+            store_b = second.store(engines.tokens, [engines.src])
+            await wait_until(lambda: len(engines.backend.calls_of("exists")) >= 3)  # a, b, b's confirmation
+            assert not store_b.done()
+            assert store_b.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(store_b, 5)  # not the 60 s wait
+        finally:
+            pause.release()
+        assert (await store_a).stored == WRITERS_CHUNKS
+    assert all(engines.readable(engines.backend))
+
+
 # Many small regions: a put from a pure client to another process's segment moves ~37k slices/s over
 # TCP, so the first writer's put of these lasts tens of milliseconds, long enough to be overtaken.
 MOONCAKE_SPEC = {"num_regions": 64, "num_blocks": 64, "block_size": 4, "block_lens": 2048}

@@ -79,6 +79,8 @@ class WriteConfirmation:
                 return
             await asyncio.sleep(delay)
             delay = min(2 * delay, _MAX_DELAY_S)
+            # A request cancelled or timed out meanwhile gets no go-ahead for its put: its keys then
+            # read WRITER_CANCELLED, which ends the wait for them.
             await put_again(_rows_of(puts, absent))
 
     async def _exists(self, cycle: Cycle, puts: Plan, waiting: IntArray) -> np.ndarray | None:
