@@ -63,14 +63,22 @@ def check_timeout(timeout: float | None) -> None:
         raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}")
 
 
-def check_tokens(tokens: TokenIds | HashedPrompt, chunk_tokens: int) -> tuple[Sequence[str] | None, int]:
-    """The prompt's digests if it came hashed, and its number of whole chunks."""
+def check_tokens(
+    tokens: TokenIds | HashedPrompt, chunk_tokens: int
+) -> tuple[Sequence[str] | None, TokenIds | None, int]:
+    """The prompt's digests if it came hashed, else its token ids of whole chunks (the worker's own
+    copy), and its number of whole chunks.
+
+    Hashing runs later in the dispatcher: the copy is what lets the caller reuse its token buffer as
+    soon as the call returns (a list or tuple is copied by reference to its ints, an array in one
+    memcpy; the values are checked as they are hashed).
+    """
     if isinstance(tokens, HashedPrompt):
         if tokens.chunk_tokens != chunk_tokens:
             raise InvalidRequestError(
                 f"the HashedPrompt was chunked by {tokens.chunk_tokens} tokens, the worker by {chunk_tokens}"
             )
-        return tokens.hashes, len(tokens.hashes)
+        return tokens.hashes, None, len(tokens.hashes)  # a HashedPrompt is immutable and validated
     if isinstance(tokens, (str, bytes, bytearray, memoryview)) or not isinstance(
         tokens, (Sequence, np.ndarray)
     ):
@@ -79,7 +87,17 @@ def check_tokens(tokens: TokenIds | HashedPrompt, chunk_tokens: int) -> tuple[Se
         raise InvalidRequestError(
             f"token_ids must be a 1-D integer array, got shape {tokens.shape} and dtype {tokens.dtype}"
         )
-    return None, len(tokens) // chunk_tokens
+    num_chunks = len(tokens) // chunk_tokens
+    return None, owned_tokens(tokens, num_chunks * chunk_tokens), num_chunks
+
+
+def owned_tokens(tokens: TokenIds, count: int) -> TokenIds:
+    """The first ``count`` token ids, in an object no caller holds."""
+    if isinstance(tokens, np.ndarray):
+        return tokens[:count].copy()
+    if isinstance(tokens, (list, tuple)):
+        return tokens[:count]  # slicing copies a list; a tuple cannot change
+    return list(tokens[:count])  # any other sequence: its slice may be a view
 
 
 def check_block_ids(
@@ -122,5 +140,9 @@ def check_block_ids(
                 f"block_ids[{group}][{index}] = {int(used[index])} is outside the group's "
                 f"{layout.num_blocks} blocks"
             )
+        if isinstance(ids, np.ndarray) and np.may_share_memory(used, ids):
+            # An int64 array (or a row of a 2-D table) passes unconverted: the pipeline reads it after
+            # the call returns, so it takes its own copy (one memcpy), as every other form gets.
+            used = used.copy()
         checked.append(used.reshape(num_chunks, per_chunk))
     return checked

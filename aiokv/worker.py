@@ -325,7 +325,7 @@ class KVWorker:
                 else "the worker is closed"
             )
         config = self._config
-        hashes, num_chunks = check_tokens(tokens, config.chunk_tokens)
+        hashes, token_ids, num_chunks = check_tokens(tokens, config.chunk_tokens)
         blocks = (
             check_block_ids(block_ids, num_chunks, config.layouts, config.blocks_per_chunk)
             if kind is not Kind.LOOKUP
@@ -340,7 +340,7 @@ class KVWorker:
             num_chunks=num_chunks,
             future=TransferFuture(loop, request_id, kind.value, lambda: self._tracker.cancel(request)),
             submitted=time.perf_counter(),
-            tokens=None if hashes is not None else tokens,  # type: ignore[arg-type]
+            tokens=token_ids,
             hashes=hashes,
             blocks=blocks,
         )

@@ -103,8 +103,9 @@ async def test_scrape_after_real_traffic_reports_the_exact_figures() -> None:
         # Store a: group 1 whole (3 x 64) + group 0 chunks 0-1 (2 x 128); store b: group 1 only.
         ("aiokv_bytes_total", "direction", "put"): 3 * 64 + 2 * 128 + 64,
         ("aiokv_bytes_total", "direction", "get"): 2 * (128 + 64),
-        # One exists per batch and per lookup batch; one put / get per group per batch.
-        ("aiokv_backend_calls_total", "op", "exists"): 4,
+        # One exists per batch and per lookup batch, and one confirming each of the two store batches
+        # whose puts answered success; one put / get per group per batch.
+        ("aiokv_backend_calls_total", "op", "exists"): 6,
         ("aiokv_backend_calls_total", "op", "put"): 4,
         ("aiokv_backend_calls_total", "op", "get"): 2,
         ("aiokv_backend_exceptions_total", "op", "put"): 1,

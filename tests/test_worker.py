@@ -588,7 +588,8 @@ async def test_stats_count_what_happened(
         "put": backend.count("put"),
         "get": backend.count("get"),
     }
-    assert backend.count("exists") == 4  # two stores, one lookup, one load
+    # Two stores, one lookup, one load; and the confirmation that the first store's puts are readable.
+    assert backend.count("exists") == 5
     assert stats["backend_errors"] == {} and stats["backend_exceptions"] == {}
     assert stats["latency"]["store"].count == 4 and stats["latency"]["load"].count == 1
 

@@ -4,11 +4,13 @@
 2. build keys and their positions in the batch (:mod:`.batch_keys`), and claim the store keys, so no
    key is written twice, by two requests of this batch or by two overlapping batches (:mod:`.claims`);
 3. one ``batch_exists`` for all keys, on the control lane;
-4. decisions: what needs no transfer is settled, the rest planned per group (:mod:`.plan`);
+4. decisions: what needs no transfer is settled, the rest planned per group (:mod:`.plan`); keys
+   whose reads failed are not skipped but removed and rewritten (:mod:`.unreadable`, :mod:`.rewrite`);
 5. per group one ``regions_for_chunks`` call, then backend calls split to at most
    ``max_regions_per_call`` regions (:mod:`.regions`, :mod:`.transfer`);
-6. per-chunk codes from each answer (:mod:`.answers`) written back into each request, and the
-   tracker settles every request (:mod:`.tracker`).
+6. per-chunk codes from each answer (:mod:`.answers`) written back into each request;
+7. the keys whose puts answered success confirmed readable, waiting for another writer's write of
+   them (:mod:`.confirm`); the tracker settles every request (:mod:`.tracker`).
 
 The bookkeeping is vectorised over chunks: per key only hashing, string building and one dict
 operation or two happen in Python.
@@ -30,12 +32,15 @@ from .backoff import PressureBackoff
 from .batch_keys import YIELD_EVERY_KEYS, Cycle, assign_positions
 from .claims import Claims
 from .config import EngineConfig
+from .confirm import WriteConfirmation
 from .hashing import hash_prompts
 from .lanes import Lane, Lanes
-from .plan import decide
+from .plan import Plan, decide
 from .request import Request
+from .rewrite import Rewrites
 from .tracker import RequestTracker
 from .transfer import GroupTransfer, all_settled
+from .unreadable import UnreadableKeys
 
 logger = logging.getLogger("aiokv")
 
@@ -53,6 +58,9 @@ class BatchPipeline:
         self._claims = Claims()
         self._backoff = PressureBackoff(config.pressure_backoff_s, stats)
         self._transfer = GroupTransfer(config, lanes, tracker, stats, self._backoff)
+        self._confirmation = WriteConfirmation(config, lanes, tracker, stats)
+        self._unreadable = UnreadableKeys()
+        self._rewrites = Rewrites(config, lanes, tracker, self._unreadable)
 
     async def run_transfers(self, batch: list[Request]) -> None:
         cycle = Cycle.new()
@@ -64,14 +72,25 @@ class BatchPipeline:
             if present is not None:
                 live = [r for r in live if not r.finished]
                 groups = self._config.groups
-                plan = await decide(cycle, live, present, groups, backing_off=self._backoff.active())
-                await all_settled(self._transfer.run(cycle, g, rows) for g, rows in enumerate(plan) if rows)
+                unreadable = self._unreadable.contains if len(self._unreadable) else None
+                backing_off = self._backoff.active()
+                plan = await decide(
+                    cycle, live, present, groups, backing_off=backing_off, unreadable=unreadable
+                )
+                plan = await self._rewrites.prepare(cycle, plan)
+                await self._move(cycle, plan)
+                self._unreadable.note_reads(plan)
+                await self._confirmation.confirm(cycle, plan, lambda again: self._move(cycle, again))
+                self._unreadable.note_writes(cycle)
         except Exception as exc:  # a bug, not a backend fault: fail this batch, keep serving
             logger.exception("aiokv: a batch of %d requests failed unexpectedly", len(batch))
             self._fail_all(batch, AiokvError(f"internal error in the dispatcher: {exc!r}"), exc)
         finally:
             self._claims.release(cycle)
         await self._settle(batch)
+
+    async def _move(self, cycle: Cycle, plan: Plan) -> None:
+        await all_settled(self._transfer.run(cycle, g, rows) for g, rows in enumerate(plan) if rows)
 
     async def run_lookups(self, batch: list[Request]) -> None:
         cycle = Cycle.new()

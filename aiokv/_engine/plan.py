@@ -4,11 +4,12 @@ skipped, a load stops at its first hole) and collect, per group, the rows of chu
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from .._arrays import IntArray
+from .._arrays import BoolArray, IntArray
 from ..codes import Code
 from ..stats import Kind, Op
 from .batch_keys import YIELD_EVERY_KEYS, Cycle
@@ -26,22 +27,32 @@ class Rows:
 
 
 Plan = list[list[Rows]]  # per group
+Unreadable = Callable[[Sequence[str]], BoolArray]  # per key: whether reads of it failed
 
 
 async def decide(
-    cycle: Cycle, live: list[Request], present: IntArray, groups: int, *, backing_off: bool
+    cycle: Cycle,
+    live: list[Request],
+    present: IntArray,
+    groups: int,
+    *,
+    backing_off: bool,
+    unreadable: Unreadable | None = None,
 ) -> Plan:
     """Write the codes of chunks that need no transfer; return per group the rows to move.
 
     ``backing_off``: the store answered "full" recently, so missing store chunks get ``NO_SPACE``
-    without a call.
+    without a call. ``unreadable``: which keys reads failed on (present or not, a store rewrites
+    them: see :mod:`.rewrite`); None when there are none.
     """
     plan: Plan = [[] for _ in range(groups)]
     taken = np.zeros(present.size, dtype=bool)  # store keys given a writer in this batch
     done_keys = 0
     for request in live:
         if request.kind is Kind.STORE:
-            _decide_store(cycle, request, present, taken, plan, backing_off=backing_off)
+            _decide_store(
+                cycle, request, present, taken, plan, backing_off=backing_off, unreadable=unreadable
+            )
         else:
             _decide_load(request, present, plan)
         done_keys += request.num_chunks * groups
@@ -52,7 +63,14 @@ async def decide(
 
 
 def _decide_store(
-    cycle: Cycle, request: Request, present: IntArray, taken: IntArray, plan: Plan, *, backing_off: bool
+    cycle: Cycle,
+    request: Request,
+    present: IntArray,
+    taken: IntArray,
+    plan: Plan,
+    *,
+    backing_off: bool,
+    unreadable: Unreadable | None,
 ) -> None:
     for group, positions in enumerate(request.positions):
         codes = request.codes[group]
@@ -60,6 +78,8 @@ def _decide_store(
         if not own.any():
             continue
         found = own & present[positions]
+        if unreadable is not None and found.any():
+            found &= ~unreadable(request.keys[group])  # present, but reads failed: not a skip
         codes[found] = Code.PRESENT
         cycle.outcome[positions[found]] = Code.PRESENT
         missing = own & ~found

@@ -68,7 +68,13 @@ class Backend(Protocol):
     - ``supports_device_memory: bool``: whether the backend can move device (non-host) memory. Default:
       False, and the worker then refuses a layout whose ``device`` is not ``"cpu"``.
 
-    Extras the worker never calls (``batch_remove``, ``closed``, ...) are each backend's own.
+    - ``batch_remove(keys: Sequence[str], *, force: bool = False) -> list[int]``: drop keys; per key 0,
+      ``NOT_FOUND`` (-704) if absent, or a negative code. ``force`` ignores read leases. The worker
+      calls it (``force=True``) before rewriting keys that exist but whose reads failed (a dead
+      writer's keys). Default: not called; a store then reports such chunks failed
+      (``TRANSFER_FAILED``) instead of skipping them.
+
+    Extras the worker never calls (``closed``, ``valid_keys``, ...) are each backend's own.
     """
 
     def register_buffer(self, addr: int, size: int) -> None:
@@ -82,7 +88,9 @@ class Backend(Protocol):
     def batch_put(self, keys: Sequence[str], addrs: Regions, sizes: Regions) -> list[int]:
         """Store each key's regions; per key ``>= 0`` on success, else a negative code.
 
-        A key that already exists keeps its old value (and reports success).
+        A key that already exists keeps its old value (and reports success). So does a key another
+        writer is still writing, possibly before its bytes are readable: ``batch_exists`` must answer
+        True only for keys whose bytes are all readable, as the worker confirms puts with it.
         """
         ...
 
@@ -102,6 +110,7 @@ class BackendTraits:
     max_regions_per_call: int
     supports_device_memory: bool
     can_unregister: bool
+    can_remove: bool
 
 
 def check_backend(backend: object) -> None:
@@ -112,9 +121,10 @@ def check_backend(backend: object) -> None:
         names = ", ".join(f"{name}()" for name in missing)
         plural = "s" if len(missing) > 1 else ""
         raise TypeError(f"backend {type(backend).__name__} has no {names} method{plural} (see aiokv.Backend)")
-    unregister = getattr(backend, "unregister_buffer", None)
-    if unregister is not None and not callable(unregister):
-        raise TypeError(f"backend {type(backend).__name__}: unregister_buffer must be a method")
+    for optional in ("unregister_buffer", "batch_remove"):
+        method = getattr(backend, optional, None)
+        if method is not None and not callable(method):
+            raise TypeError(f"backend {type(backend).__name__}: {optional} must be a method")
     device = getattr(backend, "supports_device_memory", False)
     if not isinstance(device, bool):
         raise TypeError(
@@ -128,6 +138,7 @@ def backend_traits(backend: Backend) -> BackendTraits:
         max_regions_per_call=getattr(backend, "max_regions_per_call", DEFAULT_REGIONS_PER_CALL),
         supports_device_memory=getattr(backend, "supports_device_memory", False),
         can_unregister=callable(getattr(backend, "unregister_buffer", None)),
+        can_remove=callable(getattr(backend, "batch_remove", None)),
     )
 
 

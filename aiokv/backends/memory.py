@@ -47,6 +47,11 @@ class MemoryBackend:
     evicted behind a reader's back. Regions outside registered memory answer ``INVALID`` (-600) and
     nothing is touched. A get whose regions do not add up to the stored size answers ``INVALID``
     (regions too small) or ``TRANSFER_FAILED`` (too large), as Mooncake does.
+
+    Visibility: a key exists (``batch_exists``, ``batch_get``) only once every byte of it is copied.
+    A put of a key that is present, or that another put is still copying, keeps the first value and
+    answers ``OK`` at once, as Mooncake does: that success does not mean the bytes are readable yet
+    (the worker confirms its puts with ``batch_exists``, see ``aiokv._engine.confirm``).
     """
 
     # Copies release the GIL; what holds it is per-key bookkeeping (~1 us a key), so calls of up to

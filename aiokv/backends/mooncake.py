@@ -52,6 +52,7 @@ __all__ = [
     "region_lists",
 ]
 
+_TRANSFER_FAILED = int(Code.TRANSFER_FAILED)
 # Codes meaning the master could not be asked: the batch fails as a whole.
 _UNAVAILABLE_CODES = frozenset({int(Code.UNAVAILABLE), int(Code.INTERNAL)})
 
@@ -119,12 +120,16 @@ class MooncakeBackend:
     named by ``MOONCAKE_CONFIG_PATH``. Construction connects to the master (blocking, tens of ms);
     :meth:`close` takes 1-2 s. Status codes pass through unchanged, except that ``-900``/``-1``
     (master unreachable) raise :class:`~aiokv.errors.BackendUnavailableError` naming the master.
-    A put of a key that already exists keeps the old value and reports 0.
+    A put of a key that already exists (or that another client is still writing) keeps the old value
+    and reports 0; keys a put fails with -800 are put again up to :attr:`put_retries` times.
     """
 
     # The binding converts ~12 us of Python ints per 96-region key while it holds the GIL
     # (docs/benchmarks.md): 8192 regions per call keep that near 1 ms, so the event loop never waits long.
     max_regions_per_call = 8192
+    # Puts failing -800 (a replica placed on a dead client's segment) are tried again this many times:
+    # the master places about half of them there again (measured), so each retry halves what fails.
+    put_retries = 8
 
     def __init__(
         self, config: MooncakeConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None
@@ -348,22 +353,46 @@ class MooncakeBackend:
         subset = None if rows.size == count else rows
         native_keys = list(keys) if subset is None else [keys[k] for k in rows.tolist()]
         addr_lists, size_lists = region_lists(table, subset)
-        with self._native() as store:
-            if op == "put":
-                native = store.batch_put_from_multi_buffers(
-                    native_keys, addr_lists, size_lists, self._replicate
-                )
-            else:
+        if op == "put":
+            native = self._put(native_keys, addr_lists, size_lists)
+        else:
+            with self._native() as store:
                 native = store.batch_get_into_multi_buffers(
                     native_keys, addr_lists, size_lists, self.config.prefer_alloc_in_same_node
                 )
-        name = "batch_put_from_multi_buffers" if op == "put" else "batch_get_into_multi_buffers"
-        self._check_length(name, native, len(native_keys))
-        self._raise_if_unavailable(name, native)
+            self._check_length("batch_get_into_multi_buffers", native, len(native_keys))
+            self._raise_if_unavailable("batch_get_into_multi_buffers", native)
         if subset is None:
             return list(native)
         for k, code in zip(rows.tolist(), native, strict=True):
             codes[k] = code
+        return codes
+
+    def _put(self, keys: list[str], addr_lists: list[list[int]], size_lists: list[list[int]]) -> list[int]:
+        """One native batch put, and up to :attr:`put_retries` more of the keys that failed -800.
+
+        While the master still lists a dead client's segment it places new replicas on it too, and
+        those puts fail -800; a retry is placed anew (measured: retries made every key readable).
+        """
+        name = "batch_put_from_multi_buffers"
+        codes = [0] * len(keys)
+        pending = list(range(len(keys)))
+        for attempt in range(self.put_retries + 1):
+            with self._native() as store:
+                native = store.batch_put_from_multi_buffers(
+                    [keys[k] for k in pending] if attempt else keys,
+                    [addr_lists[k] for k in pending] if attempt else addr_lists,
+                    [size_lists[k] for k in pending] if attempt else size_lists,
+                    self._replicate,
+                )
+            self._check_length(name, native, len(pending))
+            self._raise_if_unavailable(name, native)
+            for k, code in zip(pending, native, strict=True):
+                codes[k] = int(code)
+            pending = [k for k in pending if codes[k] == _TRANSFER_FAILED]
+            if not pending:
+                break
+            logger.info("Mooncake put: %d keys failed TRANSFER_FAIL (attempt %d)", len(pending), attempt + 1)
         return codes
 
     def _check_open(self) -> None:

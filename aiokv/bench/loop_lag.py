@@ -29,9 +29,10 @@ from .reference import writeup_prepare_values
 
 
 class SleepingBackend:
-    """Stores nothing; every batch call sleeps ``call_s`` plus ``region_s`` per region, GIL released.
+    """Stores no bytes; every batch call sleeps ``call_s`` plus ``region_s`` per region, GIL released.
 
-    ``batch_exists`` answers "absent", so every store moves every chunk.
+    A key put is present afterwards (the worker confirms its puts with ``batch_exists``); prompts are
+    fresh every round, so every store still moves every chunk.
     """
 
     # Nothing is converted while holding the GIL, so there is no reason to split calls.
@@ -43,13 +44,15 @@ class SleepingBackend:
         self._lock = threading.Lock()
         self.calls = 0
         self.regions = 0
+        self._put: set[str] = set()
 
     def register_buffer(self, addr: int, size: int) -> None:
         return None
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         time.sleep(self.call_s)
-        return [False] * len(keys)
+        with self._lock:
+            return [key in self._put for key in keys]
 
     def _transfer(self, keys: Sequence[str], addrs: Regions) -> list[int]:
         regions = sum(len(row) for row in addrs) if isinstance(addrs, list) else int(np.size(addrs))
@@ -60,7 +63,10 @@ class SleepingBackend:
         return [0] * len(keys)
 
     def batch_put(self, keys: Sequence[str], addrs: Regions, sizes: Regions) -> list[int]:
-        return self._transfer(keys, addrs)
+        codes = self._transfer(keys, addrs)
+        with self._lock:
+            self._put.update(keys)
+        return codes
 
     def batch_get(self, keys: Sequence[str], addrs: Regions, sizes: Regions) -> list[int]:
         return self._transfer(keys, addrs)

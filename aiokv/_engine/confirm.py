@@ -1,0 +1,124 @@
+"""Step 7 of a batch: a store's successful puts are confirmed readable before any result counts them.
+
+A put answers success for a key that another writer (another worker, another Mooncake client) is
+still writing: the store keeps the first value and says 0 at once, while a get answers "not found" or
+"not ready" until that write ends. So the keys whose puts answered success are checked with one
+``batch_exists``; those not yet present are waited for (polling, with a growing delay) and put again
+(a put that finds the other write gone writes the key itself), for at most :data:`OTHER_WRITER_WAIT_S`.
+A key still absent then is reported ``WRITE_IN_PROGRESS`` (-12): never stored or skipped while its
+bytes cannot be read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import numpy as np
+
+from .._arrays import IntArray
+from ..codes import WRITTEN, Code
+from ..stats import Op, WorkerStats
+from .answers import batch_error
+from .batch_keys import Cycle, pick
+from .config import EngineConfig
+from .lanes import Lane, Lanes
+from .plan import Plan, Rows
+from .tracker import RequestTracker
+
+logger = logging.getLogger("aiokv")
+
+PutAgain = Callable[["Plan"], Awaitable[None]]  # re-runs the puts of some rows, per group
+
+OTHER_WRITER_WAIT_S = 10.0  # how long a store waits for another writer's write of its keys
+_FIRST_DELAY_S = 0.001
+_MAX_DELAY_S = 0.05
+
+
+class WriteConfirmation:
+    """Confirms the keys one batch's puts answered success for; shared by every batch of a worker."""
+
+    def __init__(
+        self, config: EngineConfig, lanes: Lanes, tracker: RequestTracker, stats: WorkerStats
+    ) -> None:
+        self._config = config
+        self._lanes = lanes
+        self._tracker = tracker
+        self._stats = stats
+
+    async def confirm(self, cycle: Cycle, plan: Plan, put_again: PutAgain) -> None:
+        """Leave ``WRITTEN`` only on keys present now; ``put_again(rows_per_group)`` re-runs puts."""
+        puts = [[rows for rows in group if rows.op is Op.PUT] for group in plan]
+        if not any(puts) or self._lanes.terminated:
+            # After terminate() nothing more reaches the backend: results say what the puts answered.
+            return
+        confirmed = np.zeros(len(cycle.keys), dtype=bool)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + OTHER_WRITER_WAIT_S
+        delay = _FIRST_DELAY_S
+        while True:
+            waiting = np.flatnonzero((cycle.outcome == WRITTEN) & ~confirmed)
+            if not waiting.size:
+                return
+            present = await self._exists(cycle, puts, waiting)
+            if present is None:
+                return
+            confirmed[waiting[present]] = True
+            absent = waiting[~present]
+            if not absent.size:
+                return
+            if loop.time() >= deadline:
+                logger.warning(
+                    "aiokv: %d keys a put answered stored were still not readable after %.1f s "
+                    "(another writer is writing them); reported WRITE_IN_PROGRESS",
+                    absent.size,
+                    OTHER_WRITER_WAIT_S,
+                )
+                _set_codes(cycle, puts, absent, Code.WRITE_IN_PROGRESS)
+                return
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, _MAX_DELAY_S)
+            # A request cancelled or timed out meanwhile gets no go-ahead for its put: its keys then
+            # read WRITER_CANCELLED, which ends the wait for them.
+            await put_again(_rows_of(puts, absent))
+
+    async def _exists(self, cycle: Cycle, puts: Plan, waiting: IntArray) -> np.ndarray | None:
+        """Presence of the ``waiting`` keys; if the check raises, their requests fail with it."""
+        keys = pick(cycle.keys, waiting)
+        self._stats.backend_calls[Op.EXISTS] += 1
+        try:
+            answer = await self._lanes.run(Lane.CONTROL, self._config.backend.batch_exists, keys)
+            if len(answer) != len(keys):
+                raise ValueError(f"batch_exists answered {len(answer)} values for {len(keys)} keys")
+            return np.asarray(answer, dtype=bool)
+        except Exception as exc:
+            self._stats.backend_exceptions[Op.EXISTS] += 1
+            logger.warning("aiokv: batch_exists confirming %d written keys failed: %s", len(keys), exc)
+            error = batch_error("batch_exists", exc)
+            _set_codes(cycle, puts, waiting, Code.BACKEND_EXCEPTION)
+            for rows in _rows_of(puts, waiting):
+                for r in rows:
+                    self._tracker.fail(r.request, error)
+            return None
+
+
+def _rows_of(puts: Plan, positions: IntArray) -> Plan:
+    """Per group, the put rows (of every request) whose keys are at ``positions`` of the batch."""
+    out: Plan = []
+    for group in puts:
+        selected = []
+        for rows in group:
+            mask = np.isin(rows.positions, positions)
+            if mask.any():
+                selected.append(Rows(rows.request, Op.PUT, rows.chunks[mask], rows.positions[mask]))
+        out.append(selected)
+    return out
+
+
+def _set_codes(cycle: Cycle, puts: Plan, positions: IntArray, code: Code) -> None:
+    """``code`` for the keys at ``positions``: in the batch's outcomes and in every request putting them."""
+    cycle.outcome[positions] = code
+    for group, selected in enumerate(_rows_of(puts, positions)):
+        for rows in selected:
+            rows.request.codes[group][rows.chunks] = code

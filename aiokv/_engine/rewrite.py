@@ -1,0 +1,95 @@
+"""Keys whose reads failed are rewritten by the next store, never skipped.
+
+A store skips a chunk whose key exists. But a key can exist while no read of it succeeds: when the
+Mooncake client that held its bytes was SIGKILLed, the master lists the key for ~20 s while every get
+answers -800. So the worker remembers (boundedly) the keys a load found present but could not read
+(-800, -704); a store of such a key does not skip it: ``batch_remove(force=True)`` first (else the put
+would answer success and keep the dead value), then a put. A backend without ``batch_remove`` cannot
+drop the dead value: those chunks are reported failed (``TRANSFER_FAILED``), never skipped.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from .._arrays import IntArray
+from ..backends.base import NOT_FOUND, backend_traits
+from ..codes import Code
+from ..stats import Op
+from .answers import batch_error
+from .batch_keys import Cycle, pick
+from .config import EngineConfig
+from .lanes import Lane, Lanes
+from .plan import Plan, Rows
+from .tracker import RequestTracker
+from .unreadable import UnreadableKeys
+
+logger = logging.getLogger("aiokv")
+
+
+class Rewrites:
+    """Drops the dead values of the unreadable keys a batch is about to put."""
+
+    def __init__(
+        self, config: EngineConfig, lanes: Lanes, tracker: RequestTracker, unreadable: UnreadableKeys
+    ) -> None:
+        self._config = config
+        self._lanes = lanes
+        self._tracker = tracker
+        self._unreadable = unreadable
+        self._can_remove = backend_traits(config.backend).can_remove
+
+    async def prepare(self, cycle: Cycle, plan: Plan) -> Plan:
+        """Remove the unreadable keys among the plan's puts; the plan without the rows that cannot be
+        rewritten (their chunks fail with the code that says why)."""
+        if not len(self._unreadable):
+            return plan
+        stale: list[IntArray] = []  # positions in the batch of the keys to rewrite
+        for group, rows_list in enumerate(plan):
+            for rows in rows_list:
+                if rows.op is Op.PUT:
+                    mine = self._unreadable.contains(pick(rows.request.keys[group], rows.chunks))
+                    stale.append(rows.positions[mine])
+        positions = np.unique(np.concatenate(stale)) if stale else np.zeros(0, dtype=np.int64)
+        if not positions.size:
+            return plan
+        failed, error = await self._remove(cycle, positions)
+        if not failed.size:
+            return plan
+        kept: Plan = []
+        for group, rows_list in enumerate(plan):
+            kept.append([])
+            for rows in rows_list:
+                drop = np.isin(rows.positions, failed) if rows.op is Op.PUT else np.zeros(0, dtype=bool)
+                if not drop.any():
+                    kept[group].append(rows)
+                    continue
+                rows.request.codes[group][rows.chunks[drop]] = cycle.outcome[rows.positions[drop]]
+                if error is not None:
+                    self._tracker.fail(rows.request, error)
+                if not drop.all():
+                    kept[group].append(Rows(rows.request, rows.op, rows.chunks[~drop], rows.positions[~drop]))
+        return kept
+
+    async def _remove(self, cycle: Cycle, positions: IntArray) -> tuple[IntArray, BaseException | None]:
+        """``batch_remove(force=True)`` of the keys at ``positions``; the positions that cannot be
+        rewritten (their failure code in ``cycle.outcome``), and the error if the call raised."""
+        if not self._can_remove:
+            cycle.outcome[positions] = Code.TRANSFER_FAILED
+            return positions, None
+        keys = pick(cycle.keys, positions)
+        remove = self._config.backend.batch_remove  # type: ignore[attr-defined]
+        try:
+            codes = np.asarray(await self._lanes.run(Lane.CONTROL, lambda: remove(keys, force=True)))
+            if codes.shape != (len(keys),):
+                raise ValueError(f"batch_remove answered {codes.shape} codes for {len(keys)} keys")
+        except Exception as exc:
+            logger.warning("aiokv: batch_remove of %d unreadable keys failed: %s", len(keys), exc)
+            cycle.outcome[positions] = Code.BACKEND_EXCEPTION
+            return positions, batch_error("batch_remove", exc)
+        bad = (codes < 0) & (codes != NOT_FOUND)
+        logger.info("aiokv: rewriting %d keys whose reads failed", len(keys) - int(bad.sum()))
+        cycle.outcome[positions[bad]] = codes[bad]
+        return positions[bad], None
