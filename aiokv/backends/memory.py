@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import functools
 import itertools
 import logging
 import threading
@@ -65,7 +64,6 @@ class MemoryBackend:
         self._lock = threading.Lock()
         self._values: dict[str, _Value] = {}
         self._writing: set[str] = set()
-        self._written = threading.Condition(self._lock)  # notified whenever keys stop being written
         self._used = 0  # bytes stored or reserved by puts in progress
         self._heap = _Heap(capacity_bytes)
         self._readers = 0  # gets copying out of the heap right now
@@ -100,42 +98,13 @@ class MemoryBackend:
         totals_array = table.key_totals()
         totals = totals_array.tolist()  # Python ints: per-key NumPy scalar access costs more than the work
         codes = [OK if ok else INVALID for ok in valid.tolist()]
-        pending = [k for k, code in enumerate(codes) if code == OK]
-        while pending:
-            # A key another put is writing answers OK only once that write is readable: we wait for it
-            # after our own writes (waiting before could deadlock two puts on each other's keys), and
-            # write the key ourselves if that write failed.
-            others = self._put_rows(keys, table, totals, totals_array, pending, codes)
-            if not others:
-                break
-            with self._written:
-                self._written.wait_for(functools.partial(self._none_written, [keys[k] for k in others]))
-                pending = [k for k in others if keys[k] not in self._values]
-        return codes
-
-    def _put_rows(
-        self,
-        keys: Sequence[str],
-        table: RegionTable,
-        totals: list[int],
-        totals_array: IntArray,
-        pending: list[int],
-        codes: list[int],
-    ) -> list[int]:
-        """Write the keys ``pending`` (indexes into ``keys``) not present yet; returns those another put
-        is writing right now (their codes stay OK, to be confirmed by the caller)."""
         to_write: list[int] = []
-        others: list[int] = []
         with self._lock:
             claimed: set[str] = set()
             values, writing = self._values, self._writing
-            for k in pending:
-                key = keys[k]
-                if key in values or key in claimed:
-                    continue  # present, or a duplicate within this call: the first value wins
-                if key in writing:
-                    others.append(k)
-                    continue
+            for k, key in enumerate(keys):
+                if codes[k] != OK or key in values or key in writing or key in claimed:
+                    continue  # invalid, or present / being written / duplicate: the first value wins
                 size = totals[k]
                 if self._used + size > self.capacity_bytes:
                     codes[k] = NO_SPACE
@@ -147,8 +116,9 @@ class MemoryBackend:
             writing |= claimed
         written = [k for k in to_write if codes[k] == OK]
         if not written:
-            self._done_writing(claimed)
-            return others
+            with self._lock:
+                self._writing -= claimed
+            return codes
         rows = np.asarray(written, dtype=np.int64)
         key_offsets_list = [offsets[k] for k in written]
         key_sizes_list = [totals[k] for k in written]
@@ -166,24 +136,16 @@ class MemoryBackend:
                 _scatter(space, sub.addrs - base, sub.sizes, heap, targets)
         except BaseException:
             with self._lock:
+                self._writing -= claimed
                 for offset, size in zip(key_offsets_list, key_sizes_list, strict=True):
                     self._heap.free(offset, size)
                 self._used -= sum(key_sizes_list)
-            self._done_writing(claimed)
             raise
         with self._lock:
             placed = zip(key_offsets_list, key_sizes_list, strict=True)
             self._values.update(zip([keys[k] for k in written], placed, strict=True))
-        self._done_writing(claimed)
-        return others
-
-    def _none_written(self, names: list[str]) -> bool:
-        return self._writing.isdisjoint(names)
-
-    def _done_writing(self, claimed: set[str]) -> None:
-        with self._written:
             self._writing -= claimed
-            self._written.notify_all()
+        return codes
 
     def _allocate(self, totals: list[int], to_write: list[int], codes: list[int]) -> dict[int, int]:
         """Heap offsets for the keys ``to_write`` (under the lock): one block for the whole batch when
