@@ -22,7 +22,7 @@ from types import TracebackType
 
 import numpy as np
 
-from .._arrays import BoolArray, IntArray
+from .._arrays import BoolArray
 from ..codes import Code
 from ..errors import BackendError
 from ._copies import Bytes, offsets_within_keys, select_keys
