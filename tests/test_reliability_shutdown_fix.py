@@ -1,0 +1,246 @@
+"""Issue 10, items 5 to 9: deadlines and cancel() bite while a request's calls wait in the executor
+queue, a cancelled close() still finishes the shutdown, calls holding no caller memory do not hold
+close() past its timeout, ThreadedKVWorker races with close(), and a worker refuses a foreign loop.
+
+Every test runs a real worker on a real MemoryBackend behind aiokv.testing's FaultInjectingBackend;
+hangs are released by the test (or by a timer far past the bound the test asserts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiokv import (
+    KVWorker,
+    MemoryBackend,
+    ThreadedKVWorker,
+    TransferTimeoutError,
+    WorkerClosedError,
+)
+from aiokv.testing import SENTINEL, FaultInjectingBackend, FaultRule, PagedCache, chunk_value
+from tests.helpers import chunk_keys
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is a dependency on every platform it supports
+    uvloop = None  # type: ignore[assignment]
+
+CHUNK = 8
+NAMESPACE = "rel-shutdown"
+SPEC = {"num_regions": 4, "num_blocks": 128, "block_size": 4, "block_lens": 32}
+PER_CHUNK = CHUNK // SPEC["block_size"]
+BOUND_S = 3.0  # "finishes within this instead of hanging": hangs in these tests last 8 s or more
+LATE_RELEASE_S = 8.0  # when a timer releases a hang the test expects not to wait for
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Rig:
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.cache = PagedCache.allocate([SPEC], fill=SENTINEL)
+        self.group = self.cache[0]
+        self.inner = MemoryBackend(capacity_bytes=16 << 20)
+        self.backend = FaultInjectingBackend(self.inner)
+        self._free = list(self.rng.permutation(SPEC["num_blocks"]))
+
+    def worker(self, **options: Any) -> KVWorker:
+        options.setdefault("pressure_backoff_s", 0)
+        return KVWorker(self.cache.layouts, self.backend, namespace=NAMESPACE, chunk_tokens=CHUNK, **options)
+
+    def threaded(self, **options: Any) -> ThreadedKVWorker:
+        options.setdefault("pressure_backoff_s", 0)
+        return ThreadedKVWorker(
+            self.cache.layouts, self.backend, namespace=NAMESPACE, chunk_tokens=CHUNK, **options
+        )
+
+    def prompt(self, chunks: int) -> np.ndarray:
+        return self.rng.integers(0, 50_000, size=chunks * CHUNK, dtype=np.int64)
+
+    def blocks(self, chunks: int, *, source: bool) -> np.ndarray:
+        ids = np.array([self._free.pop() for _ in range(chunks * PER_CHUNK)], dtype=np.int64)
+        if source:
+            for region in self.group.regions:
+                region[ids] = self.rng.integers(0, 256, size=(ids.size, region.shape[1]), dtype=np.uint8)
+        return ids
+
+    def keys(self, tokens: np.ndarray) -> list[str]:
+        return chunk_keys(tokens, CHUNK, self.group.layout, 0, NAMESPACE)
+
+    def expected(self, ids: np.ndarray, chunk: int) -> bytes:
+        return chunk_value(self.group, ids[chunk * PER_CHUNK : (chunk + 1) * PER_CHUNK])
+
+    def sent(self, op: str, tokens: np.ndarray) -> list[str]:
+        wanted = set(self.keys(tokens))
+        return [k for k in self.backend.sent_keys(op) if k in wanted]
+
+
+@pytest.fixture(autouse=True)
+def collect_garbage() -> Iterator[None]:
+    """Collect each test's garbage at its teardown: a worker a failing test left half-closed is then
+    finalised here rather than inside a later test (Python 3.11's ast.parse, which pytest runs to
+    format a failure, raises SystemError if a finaliser runs in the middle of it)."""
+    yield
+    gc.collect()
+
+
+@pytest.fixture
+def release_later() -> Iterator[Callable[[threading.Event, float], None]]:
+    """Set an event after a delay (a safety net: the test fails on its bound long before)."""
+    timers: list[threading.Timer] = []
+
+    def schedule(event: threading.Event, delay: float) -> None:
+        timer = threading.Timer(delay, event.set)
+        timer.daemon = True
+        timers.append(timer)
+        timer.start()
+
+    yield schedule
+    for timer in timers:
+        timer.cancel()
+        timer.function(*timer.args)  # type: ignore[attr-defined]
+
+
+async def hang_both_transfer_threads(rig: Rig, worker: KVWorker, release: threading.Event) -> Any:
+    """A store of two chunks, one put per chunk, both hung: both transfer threads are busy."""
+    tokens = rig.prompt(2)
+    rig.backend.add_rule(FaultRule(op="put", keys=set(rig.keys(tokens)), hang=release))
+    future = worker.store(tokens, [rig.blocks(2, source=True)])
+    await rig.backend.wait_hanging_async(2)
+    return future
+
+
+async def settled_within(futures: list[Any], bound: float) -> float:
+    """Wait (polling, so any awaitable works) until every future is done; fail past ``bound`` seconds.
+    Returns the seconds it took."""
+    started = time.monotonic()
+    while not all(f.done() for f in futures):
+        if time.monotonic() - started > bound:
+            raise AssertionError(
+                f"{sum(not f.done() for f in futures)} futures still pending after {bound} s"
+            )
+        await asyncio.sleep(0.01)
+    return time.monotonic() - started
+
+
+# -- item 5: deadlines and cancel() while calls wait in the executor queue ----------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_deadline_and_a_cancel_bite_while_the_calls_wait_in_the_executor_queue(
+    release_later: Callable[[threading.Event, float], None],
+) -> None:
+    """A request whose calls all wait in the executor queue fails at its deadline (or is cancelled) at
+    once, and none of its calls reaches the store afterwards."""
+    rig = Rig(seed=5)
+    release = threading.Event()
+    stored_tokens = rig.prompt(2)
+    src = rig.blocks(2, source=True)
+    async with rig.worker(max_regions_per_call=1, executor_threads=2) as worker:
+        assert (await worker.store(stored_tokens, [src])).stored == 2
+        blocker = await hang_both_transfer_threads(rig, worker, release)
+        release_later(release, LATE_RELEASE_S)
+        timed, cancelled = rig.blocks(2, source=False), rig.blocks(2, source=False)
+        started = time.monotonic()
+        deadline_load = worker.load(stored_tokens, [timed], timeout=0.5)
+        cancelled_load = worker.load(stored_tokens, [cancelled])
+        await asyncio.sleep(0.2)  # both are in their batch now, their gets queued behind the hung puts
+        assert cancelled_load.cancel()
+        await settled_within([deadline_load, cancelled_load], BOUND_S - (time.monotonic() - started))
+        assert not release.is_set() and rig.backend.hanging == 2
+        assert cancelled_load.cancelled()
+        with pytest.raises(TransferTimeoutError):
+            deadline_load.result()
+        release.set()
+        assert (await blocker).stored == 2
+        await asyncio.sleep(0.2)  # any call still queued would run now
+    assert rig.sent("get", stored_tokens) == [], "a dropped request's gets reached the store"
+    assert rig.group.untouched(timed) and rig.group.untouched(cancelled)
+
+
+@pytest.mark.asyncio
+async def test_a_store_of_eight_calls_cancelled_while_queued_in_the_executor_sends_none(
+    release_later: Callable[[threading.Event, float], None],
+) -> None:
+    """A store whose 8 calls wait in the executor queue is cancelled at once and sends none of them."""
+    rig = Rig(seed=6)
+    release = threading.Event()
+    async with rig.worker(max_regions_per_call=1, executor_threads=2) as worker:
+        blocker = await hang_both_transfer_threads(rig, worker, release)
+        release_later(release, LATE_RELEASE_S)
+        tokens = rig.prompt(8)
+        store = worker.store(tokens, [rig.blocks(8, source=True)])
+        await asyncio.sleep(0.1)
+        assert store.cancel()
+        await settled_within([store], BOUND_S)
+        assert not release.is_set()
+        assert store.cancelled()
+        release.set()
+        await blocker
+        await asyncio.sleep(0.2)
+        assert await worker.lookup(tokens) == 0
+    assert rig.sent("put", tokens) == [], "puts of a store cancelled before they started were sent"
+    assert rig.inner.batch_exists(rig.keys(tokens)) == [False] * 8
+
+
+@pytest.mark.asyncio
+async def test_a_cancel_with_one_call_running_finishes_when_it_returns_and_drops_the_rest(
+    release_later: Callable[[threading.Event, float], None],
+) -> None:
+    """A store of 4 calls on one transfer thread, cancelled while its first call hangs: it stays
+    not-done until that call returns, is cancelled right then, and its 3 other calls never start."""
+    rig = Rig(seed=13)
+    release = threading.Event()
+    async with rig.worker(max_regions_per_call=1, executor_threads=1) as worker:
+        tokens = rig.prompt(4)
+        first_key = rig.keys(tokens)[0]
+        rig.backend.add_rule(FaultRule(op="put", keys={first_key}, hang=release))
+        store = worker.store(tokens, [rig.blocks(4, source=True)])
+        await rig.backend.wait_hanging_async(1)
+        assert store.cancel()
+        await asyncio.sleep(0.2)
+        assert not store.done(), "cancelled while its call still used the caller's memory"
+        release.set()
+        await settled_within([store], BOUND_S)
+        assert store.cancelled()
+        await asyncio.sleep(0.2)  # a call still queued would run now
+    assert rig.sent("put", tokens) == [first_key], "calls of a cancelled store started after the cancel"
+
+
+# -- item 7: calls holding no caller memory do not hold close() past its timeout ----------------------
+
+
+@pytest.mark.asyncio
+async def test_close_with_a_timeout_does_not_wait_for_a_hung_existence_check(
+    release_later: Callable[[threading.Event, float], None],
+) -> None:
+    """close(timeout=t) returns within about t while an existence check (no caller memory) hangs, and
+    fails the requests waiting on it with WorkerClosedError."""
+    rig = Rig(seed=9)
+    release = threading.Event()
+    worker = rig.worker()
+    await worker.start()
+    rig.backend.add_rule(FaultRule(op="exists", hang=release, max_hang_s=30))
+    tokens = rig.prompt(2)
+    store = worker.store(tokens, [rig.blocks(2, source=True)])
+    lookup = asyncio.ensure_future(worker.lookup(tokens))
+    await rig.backend.wait_hanging_async(1)
+    release_later(release, LATE_RELEASE_S)
+    started = time.monotonic()
+    await asyncio.wait_for(worker.close(timeout=0.5), LATE_RELEASE_S + 5)
+    elapsed = time.monotonic() - started
+    assert elapsed < BOUND_S and not release.is_set(), f"close(timeout=0.5) took {elapsed:.1f} s"
+    assert worker.closed
+    await settled_within([store, lookup], 1.0)
+    assert isinstance(store.exception(), WorkerClosedError)
+    assert isinstance(lookup.exception(), WorkerClosedError)
+    assert rig.backend.calls_of("put") == []
+    release.set()
