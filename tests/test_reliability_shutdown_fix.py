@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from aiokv import (
+    AiokvError,
     KVWorker,
     MemoryBackend,
     ThreadedKVWorker,
@@ -27,7 +28,7 @@ from aiokv import (
     WorkerClosedError,
 )
 from aiokv.testing import SENTINEL, FaultInjectingBackend, FaultRule, PagedCache, chunk_value
-from tests.helpers import chunk_keys
+from tests.helpers import aiokv_threads, chunk_keys
 
 try:
     import uvloop
@@ -244,3 +245,86 @@ async def test_close_with_a_timeout_does_not_wait_for_a_hung_existence_check(
     assert isinstance(lookup.exception(), WorkerClosedError)
     assert rig.backend.calls_of("put") == []
     release.set()
+
+
+# -- item 6: a cancelled close() still finishes the shutdown ------------------------------------------
+
+
+def unregistered(rig: Rig) -> int:
+    return len(rig.backend.calls_of("unregister"))
+
+
+@pytest.mark.asyncio
+async def test_a_close_cancelled_from_outside_still_finishes_the_shutdown_before_reraising(
+    release_later: Callable[[threading.Event, float], None],
+) -> None:
+    """A close() cancelled from outside still waits for the call in flight, unregisters the memory and
+    stops the threads, then re-raises CancelledError; afterwards the worker is closed."""
+    rig = Rig(seed=7)
+    release = threading.Event()
+    worker = rig.worker()
+    await worker.start()
+    registered = len(rig.backend.calls_of("register"))
+    tokens = rig.prompt(2)
+    src = rig.blocks(2, source=True)
+    rig.backend.add_rule(FaultRule(op="put", hang=release))
+    store = worker.store(tokens, [src])
+    await rig.backend.wait_hanging_async(1)
+    closing = asyncio.ensure_future(worker.close())
+    await asyncio.sleep(0.1)
+    closing.cancel()
+    release_later(release, 0.5)  # the call returns a little after the cancellation
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(closing, BOUND_S + 2)
+    assert release.is_set(), "the cancelled close returned while a call still used the caller's memory"
+    assert worker.closed
+    assert rig.backend.in_flight == 0
+    assert store.done()
+    assert unregistered(rig) == registered
+    assert not aiokv_threads()
+    with pytest.raises(WorkerClosedError):
+        worker.store(tokens, [src])
+
+
+@pytest.mark.asyncio
+async def test_two_concurrent_closes_both_return_only_after_the_backend_is_released(
+    release_later: Callable[[threading.Event, float], None],
+) -> None:
+    """Two concurrent close() calls both return only once the memory is unregistered and the backend
+    released."""
+    rig = Rig(seed=8)
+    worker = rig.worker(close_backend=True)
+    await worker.start()
+    registered = len(rig.backend.calls_of("register"))
+    seen_at_return: list[tuple[int, int]] = []
+
+    async def close_and_note() -> None:
+        await worker.close()
+        seen_at_return.append((unregistered(rig), len(rig.backend.calls_of("close"))))
+
+    release = threading.Event()
+    rig.backend.add_rule(FaultRule(op="put", hang=release))
+    store = worker.store(rig.prompt(1), [rig.blocks(1, source=True)])
+    await rig.backend.wait_hanging_async(1)
+    first, second = asyncio.ensure_future(close_and_note()), asyncio.ensure_future(close_and_note())
+    await asyncio.sleep(0.1)
+    release_later(release, 0.3)
+    await asyncio.wait_for(asyncio.gather(first, second), BOUND_S)
+    assert seen_at_return == [(registered, 1), (registered, 1)], seen_at_return
+    assert store.done() and worker.closed
+
+
+@pytest.mark.asyncio
+async def test_start_after_close_says_the_worker_is_closed() -> None:
+    """start() on a closed worker raises WorkerClosedError saying it is closed (not "already called");
+    a second start() of a running worker says it is already started."""
+    rig = Rig(seed=18)
+    worker = rig.worker()
+    await worker.start()
+    await worker.close()
+    with pytest.raises(WorkerClosedError) as info:
+        await worker.start()
+    assert "closed" in str(info.value) and "already" not in str(info.value), str(info.value)
+    async with rig.worker() as running:
+        with pytest.raises(AiokvError, match="already"):
+            await running.start()
