@@ -9,8 +9,12 @@ hangs are released by the test (or by a timer far past the bound the test assert
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import gc
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +32,7 @@ from aiokv import (
     WorkerClosedError,
 )
 from aiokv.testing import SENTINEL, FaultInjectingBackend, FaultRule, PagedCache, chunk_value
-from tests.helpers import aiokv_threads, chunk_keys
+from tests.helpers import aiokv_threads, chunk_keys, read_value
 
 try:
     import uvloop
@@ -328,3 +332,193 @@ async def test_start_after_close_says_the_worker_is_closed() -> None:
     async with rig.worker() as running:
         with pytest.raises(AiokvError, match="already"):
             await running.start()
+
+
+# -- item 8: ThreadedKVWorker races -------------------------------------------------------------------
+
+
+_RACE_SCRIPT = """
+import json, sys, threading, time
+import numpy as np
+from aiokv import KVLayout, MemoryBackend, ThreadedKVWorker, WorkerClosedError
+
+report = []
+for round_ in range(int(sys.argv[1])):
+    region = np.zeros((16, 64), dtype=np.uint8)
+    layout = KVLayout([region.ctypes.data], [64], 4, 16)
+    worker = ThreadedKVWorker(layout, MemoryBackend(1 << 20), namespace="race", chunk_tokens=8)
+    start = threading.Barrier(17)
+    outcomes = []
+
+    def hammer(call):
+        start.wait()
+        while True:
+            try:
+                call()
+            except WorkerClosedError:
+                outcomes.append("closed")
+                return
+            except BaseException as exc:
+                outcomes.append(repr(exc))
+                return
+
+    calls = [worker.stats, lambda: worker.lookup(list(range(16)))]  # a plain call, and a coroutine
+    threads = [threading.Thread(target=hammer, args=(calls[i % 2],), daemon=True) for i in range(16)]
+    for thread in threads:
+        thread.start()
+    start.wait()
+    time.sleep(0.0005 * round_)
+    worker.close()
+    deadline = time.monotonic() + 10
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    report.append({"stuck": sum(t.is_alive() for t in threads), "outcomes": sorted(set(outcomes))})
+    if report[-1]["stuck"]:
+        break
+print(json.dumps(report), flush=True)
+"""
+
+
+def test_stats_racing_close_from_sixteen_threads_always_returns_or_raises_closed() -> None:
+    """Every ThreadedKVWorker call (stats(), and lookup(): a coroutine on the loop) racing close() from
+    16 threads returns or raises WorkerClosedError within a bound; none blocks forever."""
+    # In a child process: threads that do block forever must not outlive the test.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    child = subprocess.run(
+        [sys.executable, "-c", _RACE_SCRIPT, "20"], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert child.returncode == 0, child.stderr[-2000:]
+    report = json.loads(child.stdout)
+    for round_, outcome in enumerate(report):
+        assert outcome["stuck"] == 0, f"round {round_}: {outcome['stuck']} of 16 threads blocked"
+        assert outcome["outcomes"] == ["closed"], outcome
+    assert len(report) == 20
+
+
+def test_close_from_a_done_callback_is_refused_clearly_and_leaves_the_worker_intact() -> None:
+    """close() called on the worker's own loop thread (a future's done callback) raises a RuntimeError
+    saying to close from another thread; the worker keeps serving and closes normally afterwards."""
+    rig = Rig(seed=10)
+    worker = rig.threaded()
+    errors: list[BaseException] = []
+    called = threading.Event()
+
+    def close_in_callback(_: concurrent.futures.Future[Any]) -> None:
+        try:
+            worker.close()
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            called.set()
+
+    tokens, src = rig.prompt(2), rig.blocks(2, source=True)
+    release = threading.Event()
+    rig.backend.add_rule(FaultRule(op="put", hang=release, times=1))
+    first = worker.store(tokens, [src])
+    first.add_done_callback(close_in_callback)  # attached while the store hangs: runs on the loop thread
+    release.set()
+    assert first.result(timeout=10).stored == 2
+    assert called.wait(10)
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError), errors
+    message = str(errors[0])
+    assert "cannot join" not in message and "thread" in message, message
+    # The worker is intact: a second store finishes with its bytes in the store.
+    more_tokens, more_src = rig.prompt(2), rig.blocks(2, source=True)
+    assert worker.store(more_tokens, [more_src]).result(timeout=10).stored == 2
+    for c, key in enumerate(rig.keys(more_tokens)):
+        want = rig.expected(more_src, c)
+        assert read_value(rig.inner, key, len(want)) == want
+    worker.close()
+    assert not aiokv_threads()
+
+
+def test_a_closed_threaded_worker_does_not_break_a_prometheus_scrape() -> None:
+    """Scraping a registry holding a closed ThreadedKVWorker's collector succeeds: the collector yields
+    the figures of its last scrape (or nothing if it was never scraped), and the registry's other
+    metrics are still exported."""
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from aiokv.metrics import PrometheusExporter
+
+    def stored_line(text: str) -> list[float]:
+        prefix = 'aiokv_chunks_total{outcome="stored"}'
+        return [float(line.split()[-1]) for line in text.splitlines() if line.startswith(prefix)]
+
+    registry = prometheus_client.CollectorRegistry()
+    other = prometheus_client.Counter("other_total", "another component's metric", registry=registry)
+    other.inc(3)
+    rig = Rig(seed=11)
+    worker = rig.threaded()
+    PrometheusExporter(worker, registry)
+    assert worker.store(rig.prompt(2), [rig.blocks(2, source=True)]).result(timeout=10).stored == 2
+    assert stored_line(prometheus_client.generate_latest(registry).decode()) == [2.0]
+    worker.close()
+    text = prometheus_client.generate_latest(registry).decode()
+    assert "other_total 3.0" in text
+    assert stored_line(text) == [2.0]  # the last values
+    # Never scraped before its close: nothing of it, the rest of the registry still exported.
+    fresh = prometheus_client.CollectorRegistry()
+    prometheus_client.Counter("other_total", "another component's metric", registry=fresh).inc(1)
+    unscraped = rig.threaded()
+    PrometheusExporter(unscraped, fresh)
+    unscraped.close()
+    text = prometheus_client.generate_latest(fresh).decode()
+    assert "other_total 1.0" in text and stored_line(text) == []
+
+
+# -- item 9: a worker refuses calls from another event loop --------------------------------------------
+
+
+LOOP_FACTORIES: list[tuple[str, Callable[[], asyncio.AbstractEventLoop]]] = [
+    ("asyncio", asyncio.new_event_loop)
+] + ([("uvloop", uvloop.new_event_loop)] if uvloop is not None else [])
+
+
+def _use_from_two_loops(factory: Callable[[], asyncio.AbstractEventLoop]) -> list[BaseException]:
+    rig = Rig(seed=12)
+    worker = rig.worker()
+    tokens, src = rig.prompt(2), rig.blocks(2, source=True)
+
+    async def first_run() -> int:
+        await worker.start()
+        return (await worker.store(tokens, [src])).stored
+
+    async def second_run() -> list[BaseException]:
+        errors: list[BaseException] = []
+        for call in (
+            lambda: worker.store(tokens, [src]),
+            lambda: worker.load(tokens, [rig.blocks(2, source=False)]),
+        ):
+            try:
+                future = call()
+            except (AiokvError, RuntimeError) as exc:
+                errors.append(exc)
+            else:
+                future.cancel()
+                errors.append(AssertionError("accepted a request on a dead loop"))
+        try:
+            await asyncio.wait_for(worker.lookup(tokens), BOUND_S)
+        except (AiokvError, RuntimeError, TimeoutError) as exc:
+            errors.append(exc)
+        return errors
+
+    with asyncio.Runner(loop_factory=factory) as runner:
+        assert runner.run(first_run()) == 2
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(second_run())
+
+
+@pytest.mark.parametrize("factory", [f for _, f in LOOP_FACTORIES], ids=[n for n, _ in LOOP_FACTORIES])
+def test_a_worker_used_from_a_second_event_loop_refuses_at_the_call(
+    factory: Callable[[], asyncio.AbstractEventLoop],
+) -> None:
+    """store/load/lookup on a worker whose loop is gone (a second asyncio.run) raise at the call, naming
+    the event loop; no request is left pending."""
+    errors = _use_from_two_loops(factory)
+    # The abandoned worker's idle executor threads end once it is collected: none outlives the test.
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while aiokv_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(errors) == 3
+    for error in errors:
+        assert isinstance(error, (AiokvError, RuntimeError)) and "loop" in str(error), repr(error)
