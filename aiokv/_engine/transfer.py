@@ -12,7 +12,7 @@ import numpy as np
 
 from .._arrays import BoolArray, IntArray
 from ..codes import Code
-from ..errors import AiokvError
+from ..errors import AiokvError, WorkerClosedError
 from ..layout import RegionBatch
 from ..stats import Op, WorkerStats
 from .admission import Admission, admit
@@ -76,8 +76,12 @@ class GroupTransfer:
         try:
             return await self._lanes.run(Lane.CONTROL, self._config.layouts[group].regions_for_chunks, matrix)
         except Exception as exc:
-            error = AiokvError(f"computing the regions of group {group} failed: {exc!r}")
-            error.__cause__ = exc
+            error: AiokvError
+            if isinstance(exc, WorkerClosedError):  # terminate() abandoned the computation
+                error = batch_error(f"computing the regions of group {group}", exc)
+            else:
+                error = AiokvError(f"computing the regions of group {group} failed: {exc!r}")
+                error.__cause__ = exc
             row_codes[:] = Code.BACKEND_EXCEPTION
             row_errors.append((np.arange(row_codes.size), error))
             return []
