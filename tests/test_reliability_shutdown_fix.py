@@ -399,20 +399,21 @@ def test_stats_racing_close_from_sixteen_threads_always_returns_or_raises_closed
 
 
 def test_close_from_a_done_callback_is_refused_clearly_and_leaves_the_worker_intact() -> None:
-    """close() called on the worker's own loop thread (a future's done callback) raises a RuntimeError
-    saying to close from another thread; the worker keeps serving and closes normally afterwards."""
+    """close() and terminate() called on the worker's own loop thread (a future's done callback) raise
+    a RuntimeError saying to call them from another thread; the worker keeps serving and closes
+    normally afterwards."""
     rig = Rig(seed=10)
     worker = rig.threaded()
     errors: list[BaseException] = []
     called = threading.Event()
 
     def close_in_callback(_: concurrent.futures.Future[Any]) -> None:
-        try:
-            worker.close()
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            called.set()
+        for method in (worker.close, worker.terminate):
+            try:
+                method()
+            except BaseException as exc:
+                errors.append(exc)
+        called.set()
 
     tokens, src = rig.prompt(2), rig.blocks(2, source=True)
     release = threading.Event()
@@ -422,9 +423,10 @@ def test_close_from_a_done_callback_is_refused_clearly_and_leaves_the_worker_int
     release.set()
     assert first.result(timeout=10).stored == 2
     assert called.wait(10)
-    assert len(errors) == 1 and isinstance(errors[0], RuntimeError), errors
-    message = str(errors[0])
-    assert "cannot join" not in message and "thread" in message, message
+    assert len(errors) == 2 and all(isinstance(e, RuntimeError) for e in errors), errors
+    for error in errors:
+        message = str(error)
+        assert "cannot join" not in message and "another thread" in message, message
     # The worker is intact: a second store finishes with its bytes in the store.
     more_tokens, more_src = rig.prompt(2), rig.blocks(2, source=True)
     assert worker.store(more_tokens, [more_src]).result(timeout=10).stored == 2
