@@ -9,7 +9,6 @@ and run by :class:`~aiokv._engine.pipeline.BatchPipeline` on the threads of
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import logging
 import time
@@ -25,6 +24,7 @@ from ._engine.lanes import Lane, Lanes
 from ._engine.pipeline import BatchPipeline
 from ._engine.request import Request
 from ._engine.tracker import RequestTracker
+from ._lifecycle import NEXT_STATES, WorkerState, to_the_end
 from ._validate import (
     BlockIds,
     check_backoff,
@@ -46,24 +46,6 @@ from .stats import Kind, WorkerStats
 logger = logging.getLogger("aiokv")
 
 __all__ = ["DEFAULT_REGIONS_PER_CALL", "BlockIds", "KVWorker", "WorkerState", "merged_spans"]
-
-
-class WorkerState(enum.Enum):
-    NEW = "new"  # constructed; start() not called
-    RUNNING = "running"  # accepting requests
-    CLOSING = "closing"  # close(): no new requests; finishing everything submitted
-    TERMINATING = "terminating"  # terminate(): queued work failed; waiting for calls in flight
-    CLOSED = "closed"  # backend released, threads stopped
-
-
-# The one guard of the lifecycle: every change of state goes through KVWorker._move.
-_NEXT_STATES: dict[WorkerState, frozenset[WorkerState]] = {
-    WorkerState.NEW: frozenset({WorkerState.RUNNING, WorkerState.CLOSED}),  # CLOSED: a failed start
-    WorkerState.RUNNING: frozenset({WorkerState.CLOSING, WorkerState.TERMINATING}),
-    WorkerState.CLOSING: frozenset({WorkerState.TERMINATING, WorkerState.CLOSED}),
-    WorkerState.TERMINATING: frozenset({WorkerState.CLOSED}),
-    WorkerState.CLOSED: frozenset(),
-}
 
 
 class KVWorker:
@@ -227,10 +209,10 @@ class KVWorker:
         except TimeoutError:
             logger.warning("aiokv: close() did not finish within %s s; terminating", timeout)
             self.terminate()
-            await _to_the_end(finishing)
+            await to_the_end(finishing)
         except asyncio.CancelledError:
             self.terminate()
-            await _to_the_end(finishing)
+            await to_the_end(finishing)
             raise
 
     def terminate(self) -> None:
@@ -354,7 +336,7 @@ class KVWorker:
 
     def _move(self, state: WorkerState) -> bool:
         """Enter ``state`` if the lifecycle allows it from the current one; False otherwise."""
-        if state not in _NEXT_STATES[self._state]:
+        if state not in NEXT_STATES[self._state]:
             return False
         self._state = state
         return True
@@ -407,18 +389,6 @@ class KVWorker:
         self._registered.clear()
         if self._close_backend:
             await asyncio.to_thread(backend.close)
-
-
-async def _to_the_end(task: asyncio.Task[None]) -> None:
-    """Await ``task`` to its end, even through cancellations of the caller (the memory contract: a
-    shutdown interrupted half-way would leave calls on caller memory and buffers registered)."""
-    while not task.done():
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if task.done():
-                break
-    task.result()
 
 
 def merged_spans(layouts: Sequence[KVLayout]) -> list[tuple[int, int]]:
