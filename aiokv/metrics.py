@@ -40,6 +40,10 @@ started; the known label values are exported from the start, at 0, so that ``rat
 Latencies are submit-to-done times over the worker's recent window of requests (see
 :mod:`aiokv.stats`), hence gauges rather than a histogram. Error codes count (chunk, group) pairs.
 
+A scrape of a worker that has been closed exports the figures of the last scrape (nothing if there
+was none) instead of raising: a closed :class:`~aiokv.ThreadedKVWorker` refuses ``stats()``. Unregister
+the exporter once the worker is closed for good.
+
 One exporter per worker and registry: a second one with the same ``namespace`` in the same registry
 is refused by ``prometheus_client`` (duplicate metric names); give it another registry or namespace.
 """
@@ -51,6 +55,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .codes import code_name
+from .errors import WorkerClosedError
 from .stats import DIRECTIONS, TRANSFER_KINDS, ChunkOutcome, Kind, Op, StatName
 
 if TYPE_CHECKING:
@@ -100,6 +105,7 @@ class PrometheusExporter:
             raise ValueError(f"namespace must be a metric-name prefix such as 'aiokv', got {namespace!r}")
         self._core = _core()
         self._stats: Callable[[], Mapping[str, Any]] = stats
+        self._last: Mapping[str, Any] | None = None  # the figures of the last scrape
         self.namespace = namespace
         self.registry: CollectorRegistry | None = None
         if register:
@@ -123,7 +129,15 @@ class PrometheusExporter:
         yield from self._families()
 
     def collect(self) -> Iterator[Any]:
-        stats = self._stats()
+        try:
+            stats = self._stats()
+        except WorkerClosedError:
+            # A closed ThreadedKVWorker refuses stats(): export the figures of the last scrape (or
+            # nothing), so one closed worker never breaks the scrape of a whole registry.
+            if self._last is None:
+                return
+            stats = self._last
+        self._last = stats
         families = {family.name: family for family in self._families()}
         n = self.namespace
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Generic, TypeVar
@@ -41,10 +42,18 @@ class SyncTransferFuture(concurrent.futures.Future[T], Generic[T]):
     def cancel(self) -> bool:
         if self.done():
             return False
-        return self._owner._call(self._transfer.cancel)
+        return self._owner._call(self._cancel_on_loop)
+
+    def _cancel_on_loop(self) -> bool:
+        cancelled = self._transfer.cancel()
+        if self._transfer.done():  # settled at once: done() is True when cancel() returns
+            self._settle(self._transfer)
+        return cancelled
 
     def _settle(self, transfer: TransferFuture[T]) -> None:
-        """Runs on the loop thread when the transfer is done."""
+        """Runs on the loop thread when the transfer is done (once; later calls change nothing)."""
+        if self.done():
+            return
         if transfer.cancelled():
             concurrent.futures.Future.cancel(self)
             self.set_running_or_notify_cancel()
@@ -76,7 +85,11 @@ class ThreadedKVWorker:
         self._loop = (loop_factory or new_event_loop)()
         self._thread = threading.Thread(target=self._loop.run_forever, name="aiokv-loop", daemon=True)
         self._thread.start()
-        self._closed = False
+        self._lock = threading.Lock()  # orders scheduling onto the loop against stopping it
+        self._stopping = False  # set (under the lock) before the loop is told to stop
+        self._closing = False  # a close() or terminate() has begun
+        self._stopped = threading.Event()  # the loop thread has ended and the loop is closed
+        self._waiting: set[concurrent.futures.Future[Any]] = set()  # callers blocked on the loop
         try:
             self._worker = KVWorker(
                 layouts, backend, namespace=namespace, chunk_tokens=chunk_tokens, **options
@@ -113,8 +126,15 @@ class ThreadedKVWorker:
         return self._call(self._worker.stats)
 
     def close(self, timeout: float | None = None) -> None:
-        """Graceful close (see :meth:`KVWorker.close`), then stop the loop thread."""
-        if self._closed:
+        """Graceful close (see :meth:`KVWorker.close`), then stop the loop thread.
+
+        Safe from any thread but the worker's own loop thread (a future's done callback runs there):
+        there it raises ``RuntimeError`` and leaves the worker as it was. A second close, from any
+        thread, returns once the first has finished.
+        """
+        self._refuse_on_loop_thread("close")
+        if not self._begin_closing():
+            self._stopped.wait()
             return
         try:
             self._run(self._worker.close(timeout))
@@ -123,7 +143,11 @@ class ThreadedKVWorker:
 
     def terminate(self) -> None:
         """Immediate close (see :meth:`KVWorker.terminate`); waits for in-flight backend calls."""
-        if self._closed:
+        self._refuse_on_loop_thread("terminate")
+        if not self._begin_closing():
+            with contextlib.suppress(WorkerClosedError):  # a close in progress: hurry it
+                self._call(self._worker.terminate)
+            self._stopped.wait()
             return
         try:
             self._call(self._worker.terminate)
@@ -144,33 +168,89 @@ class ThreadedKVWorker:
             transfer = method(tokens, block_ids, timeout=timeout)
             future = SyncTransferFuture(self, transfer)
             transfer.add_done_callback(future._settle)
+            if transfer.done():  # settled at the call (nothing to move): done when store() returns
+                future._settle(transfer)
             return future
 
         return self._call(submit)
 
     def _call(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the loop thread and return its result (or raise its exception) here."""
-        if self._closed:
-            raise WorkerClosedError("the threaded worker is closed")
+        """Run ``fn`` on the loop thread and return its result (or raise its exception) here; raises
+        ``WorkerClosedError`` once the loop is stopping, and never waits on a stopped loop."""
         if threading.current_thread() is self._thread:
             return fn()
 
-        async def call() -> T:
-            return fn()
+        def schedule() -> concurrent.futures.Future[T]:
+            future: concurrent.futures.Future[T] = concurrent.futures.Future()
 
-        return asyncio.run_coroutine_threadsafe(call(), self._loop).result()
+            def call() -> None:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn())
+                    except BaseException as exc:
+                        future.set_exception(exc)
+
+            self._loop.call_soon_threadsafe(call)
+            return future
+
+        return self._wait(schedule)
 
     def _run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        if self._closed:
-            coro.close()
-            raise WorkerClosedError("the threaded worker is closed")
         if threading.current_thread() is self._thread:
             coro.close()
             raise RuntimeError("blocking ThreadedKVWorker calls cannot run on its own loop thread")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        scheduled: list[concurrent.futures.Future[T]] = []
+
+        def schedule() -> concurrent.futures.Future[T]:
+            scheduled.append(asyncio.run_coroutine_threadsafe(coro, self._loop))
+            return scheduled[0]
+
+        try:
+            return self._wait(schedule, timeout)
+        finally:
+            if not scheduled:
+                coro.close()  # refused before it reached the loop: no "never awaited" warning
+
+    def _wait(self, schedule: Callable[[], concurrent.futures.Future[T]], timeout: float | None = None) -> T:
+        """Schedule onto the loop unless it is stopping (checked under the lock :meth:`_stop_loop`
+        takes, so whatever is scheduled runs before the loop stops), then wait for the result; a
+        result the stopped loop can no longer give is failed by :meth:`_stop_loop`."""
+        with self._lock:
+            if self._stopping:
+                raise WorkerClosedError("the threaded worker is closed")
+            future = schedule()
+            self._waiting.add(future)
+        try:
+            return future.result(timeout)
+        finally:
+            with self._lock:
+                self._waiting.discard(future)
+
+    def _refuse_on_loop_thread(self, method: str) -> None:
+        if threading.current_thread() is self._thread:
+            raise RuntimeError(
+                f"ThreadedKVWorker.{method}() cannot run on the worker's own loop thread (for example in "
+                "a future's done callback): it waits for that thread; call it from another thread. "
+                "The worker is left as it was."
+            )
+
+    def _begin_closing(self) -> bool:
+        """True for the one caller that closes; the others wait for it."""
+        with self._lock:
+            first = not self._closing
+            self._closing = True
+        return first
 
     def _stop_loop(self) -> None:
-        self._closed = True
-        self._loop.call_soon_threadsafe(self._loop.stop)
+        with self._lock:
+            self._stopping = True
+            self._closing = True
+            self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
+        with self._lock:
+            stranded = [f for f in self._waiting if not f.done()]
+        for future in stranded:  # scheduled, yet the loop stopped before finishing it
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                future.set_exception(WorkerClosedError("the threaded worker closed before the call finished"))
         self._loop.close()
+        self._stopped.set()

@@ -9,7 +9,6 @@ and run by :class:`~aiokv._engine.pipeline.BatchPipeline` on the threads of
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import logging
 import math
@@ -26,6 +25,7 @@ from ._engine.lanes import Lane, Lanes
 from ._engine.pipeline import BatchPipeline
 from ._engine.request import Request
 from ._engine.tracker import RequestTracker
+from ._lifecycle import NEXT_STATES, WorkerState, to_the_end
 from ._validate import (
     BlockIds,
     check_backoff,
@@ -64,24 +64,6 @@ def default_chunk_tokens(layouts: Sequence[KVLayout]) -> int:
     """:data:`DEFAULT_CHUNK_TOKENS` rounded up to a multiple of every group's block size."""
     unit = math.lcm(*(layout.block_size for layout in layouts))
     return -(-DEFAULT_CHUNK_TOKENS // unit) * unit
-
-
-class WorkerState(enum.Enum):
-    NEW = "new"  # constructed; start() not called
-    RUNNING = "running"  # accepting requests
-    CLOSING = "closing"  # close(): no new requests; finishing everything submitted
-    TERMINATING = "terminating"  # terminate(): queued work failed; waiting for calls in flight
-    CLOSED = "closed"  # backend released, threads stopped
-
-
-# The one guard of the lifecycle: every change of state goes through KVWorker._move.
-_NEXT_STATES: dict[WorkerState, frozenset[WorkerState]] = {
-    WorkerState.NEW: frozenset({WorkerState.RUNNING, WorkerState.CLOSED}),  # CLOSED: a failed start
-    WorkerState.RUNNING: frozenset({WorkerState.CLOSING, WorkerState.TERMINATING}),
-    WorkerState.CLOSING: frozenset({WorkerState.TERMINATING, WorkerState.CLOSED}),
-    WorkerState.TERMINATING: frozenset({WorkerState.CLOSED}),
-    WorkerState.CLOSED: frozenset(),
-}
 
 
 class KVWorker:
@@ -164,6 +146,7 @@ class KVWorker:
         self._lanes: Lanes | None = None
         self._dispatcher: Dispatcher | None = None
         self._registered: list[int] = []
+        self._finish_task: asyncio.Task[None] | None = None
 
     # -- read-only figures ----------------------------------------------------------------------
 
@@ -209,8 +192,10 @@ class KVWorker:
 
     async def start(self) -> None:
         """Register every layout's memory with the backend and start the dispatcher."""
+        if self._state is WorkerState.CLOSED:
+            raise WorkerClosedError("the worker is closed; a KVWorker cannot be restarted (create a new one)")
         if self._state is not WorkerState.NEW:
-            raise AiokvError("KVWorker.start() was already called")
+            raise AiokvError("KVWorker.start() was already called: the worker is started")
         self._loop = asyncio.get_running_loop()
         lanes = self._lanes = Lanes(self._threads)
         try:
@@ -218,9 +203,9 @@ class KVWorker:
                 await lanes.run(Lane.TRANSFER, self.backend.register_buffer, addr, size)
                 self._registered.append(addr)
         except BaseException:
-            self._move(WorkerState.CLOSED)
             await self._release_backend()
             lanes.shutdown_now()
+            self._move(WorkerState.CLOSED)
             raise
         pipeline = BatchPipeline(self._config, self._tracker, lanes, self._stats)
         self._dispatcher = Dispatcher(pipeline.run_transfers, pipeline.run_lookups, self._max_batches)
@@ -230,24 +215,36 @@ class KVWorker:
     async def close(self, timeout: float | None = None) -> None:
         """Graceful: take no more work, finish everything submitted, then release the backend.
 
-        With ``timeout``, whatever is still pending after it is failed as by :meth:`terminate`.
+        With ``timeout``, whatever is still pending after it is failed as by :meth:`terminate`. Returns
+        once the backend is released and the threads stopped, however many callers close at once.
+        If the close is cancelled, it still finishes the shutdown (terminating what it can, waiting
+        for the calls using caller memory, unregistering, stopping threads) and then re-raises.
         """
-        if self._state in (WorkerState.NEW, WorkerState.CLOSED):
+        if self._state is WorkerState.NEW:
+            self._move(WorkerState.CLOSED)
+            return
+        if self._state is WorkerState.CLOSED:
             return
         if self._move(WorkerState.CLOSING):
             self._running_dispatcher().stop()
+        finishing = self._finishing()
         try:
-            await asyncio.wait_for(self._running_dispatcher().wait(), timeout)
+            await asyncio.wait_for(asyncio.shield(finishing), timeout)
         except TimeoutError:
             logger.warning("aiokv: close() did not finish within %s s; terminating", timeout)
             self.terminate()
-        await self.wait_closed()
+            await to_the_end(finishing)
+        except asyncio.CancelledError:
+            self.terminate()
+            await to_the_end(finishing)
+            raise
 
     def terminate(self) -> None:
         """Immediate: fail every request that is not inside a backend call with ``WorkerClosedError``.
 
         A request inside a backend call finishes when that call returns, since its memory is in use
-        until then; :meth:`wait_closed` waits for that and for every task and thread to end.
+        until then; :meth:`wait_closed` waits for that and for every task and thread to end. Calls
+        holding no caller memory (existence checks, address computation) are abandoned.
         """
         if not self._move(WorkerState.TERMINATING):
             return
@@ -256,14 +253,26 @@ class KVWorker:
         self._running_lanes().terminate()
 
     async def wait_closed(self) -> None:
-        """Wait until every task of the worker has ended, then release the backend."""
-        if self._dispatcher is not None:
-            await self._dispatcher.wait()
-        if not self._move(WorkerState.CLOSED):
+        """Wait until every task of the worker has ended, the backend is released and the threads
+        are stopped (by whichever of ``close``/``terminate`` ended it)."""
+        if self._state in (WorkerState.NEW, WorkerState.CLOSED) and self._finish_task is None:
             return
-        await self._release_backend()
-        if self._lanes is not None:
-            await self._lanes.shutdown()
+        await asyncio.shield(self._finishing())
+
+    def _finishing(self) -> asyncio.Task[None]:
+        """The one task that ends the worker: shared by every close() and wait_closed() caller, and
+        never cancelled by theirs being cancelled."""
+        if self._finish_task is None:
+            self._finish_task = self._running_loop().create_task(self._finish(), name="aiokv-close")
+        return self._finish_task
+
+    async def _finish(self) -> None:
+        try:
+            await self._running_dispatcher().wait()
+            await self._release_backend()
+            await self._running_lanes().shutdown()
+        finally:
+            self._move(WorkerState.CLOSED)
 
     # -- submitting -----------------------------------------------------------------------------
 
@@ -332,7 +341,7 @@ class KVWorker:
             else []
         )
         check_timeout(timeout)
-        loop = self._running_loop()
+        loop = self._calling_loop()
         request_id = next(self._ids)
         request = Request(
             id=request_id,
@@ -351,7 +360,7 @@ class KVWorker:
 
     def _move(self, state: WorkerState) -> bool:
         """Enter ``state`` if the lifecycle allows it from the current one; False otherwise."""
-        if state not in _NEXT_STATES[self._state]:
+        if state not in NEXT_STATES[self._state]:
             return False
         self._state = state
         return True
@@ -360,6 +369,26 @@ class KVWorker:
         if self._loop is None:
             raise WorkerClosedError("the worker is not started")
         return self._loop
+
+    def _calling_loop(self) -> asyncio.AbstractEventLoop:
+        """The worker's loop, which must be the one running this call: a worker serves only the loop
+        it was started on (a request put on another loop's queue would stay pending forever)."""
+        loop = self._running_loop()
+        try:
+            current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            current = None
+        if current is loop:
+            return loop
+        if loop.is_closed():
+            raise WorkerClosedError(
+                "the worker's event loop is closed: a KVWorker serves only the event loop it was started "
+                "on (one asyncio.run()); create a new KVWorker for this loop"
+            )
+        raise RuntimeError(
+            "a KVWorker must be called on the event loop it was started on"
+            + (" (no event loop runs in this thread)" if current is None else ", not from another one")
+        )
 
     def _running_dispatcher(self) -> Dispatcher:
         if self._dispatcher is None:

@@ -1,14 +1,27 @@
 """Executor lanes: the threads backend calls run on.
 
 Two lanes, so that lookups and the next batch's checks never queue behind long or hung transfers:
-``TRANSFER`` (``executor_threads`` threads: batch puts and gets, register/unregister) and ``CONTROL``
-(one thread: existence checks and address computation).
+``TRANSFER`` (``executor_threads`` threads: batch puts and gets, register) and ``CONTROL`` (one
+daemon thread: existence checks and address computation, which hold no caller memory).
+
+A call waits for a free thread of its lane *on the loop*, not in an executor queue: only when a
+thread is free is the call's go-ahead asked (:meth:`Lanes.run_gated`), so a request cancelled or
+timed out while its calls wait never has them started. On :meth:`Lanes.terminate`, calls waiting for
+a thread fail with ``WorkerClosedError``; running transfer calls finish (they may touch caller
+memory); a running control call is abandoned: its awaiter fails at once, its thread finishes the call
+in the background and its result is dropped (a daemon thread, so not even interpreter exit waits).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import enum
+import queue
+import threading
+import weakref
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -16,6 +29,10 @@ from typing import Any, TypeVar
 from ..errors import WorkerClosedError
 
 T = TypeVar("T")
+
+# What a gate hands back when the call may start: the call itself, and what to do on the loop once
+# the thread has returned from it (whatever happened to the coroutine awaiting it).
+Admitted = tuple[Callable[[], T], Callable[[], None]]
 
 
 class Lane(enum.Enum):
@@ -25,10 +42,12 @@ class Lane(enum.Enum):
 
 class Lanes:
     def __init__(self, transfer_threads: int) -> None:
-        self._executors = {
+        self._executors: dict[Lane, Any] = {
             Lane.TRANSFER: ThreadPoolExecutor(transfer_threads, thread_name_prefix="aiokv"),
-            Lane.CONTROL: ThreadPoolExecutor(1, thread_name_prefix="aiokv-control"),
+            Lane.CONTROL: DaemonThread("aiokv-control_0"),
         }
+        self._slots = {Lane.TRANSFER: Slots(transfer_threads), Lane.CONTROL: Slots(1)}
+        self._abandonable: set[asyncio.Future[Any]] = set()  # control calls awaited now
         self._terminated = False
 
     @property
@@ -37,32 +56,170 @@ class Lanes:
 
     async def run(self, lane: Lane, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` on ``lane``; after :meth:`terminate`, raises ``WorkerClosedError`` instead."""
-        if self._terminated:
-            raise WorkerClosedError("the worker was terminated")
-        future = asyncio.get_running_loop().run_in_executor(self._executors[lane], fn, *args)
+        answer = await self.run_gated(lane, lambda: (lambda: fn(*args), _nothing))
+        return answer  # type: ignore[return-value]  # an ungated call always runs
+
+    async def run_gated(self, lane: Lane, gate: Callable[[], Admitted[T] | None]) -> T | None:
+        """Wait for a free thread of ``lane``, then ask ``gate`` (on the loop) what to run: None
+        starts nothing (and answers None); else its call runs, and its end callback runs on the loop
+        once the thread returns from it."""
+        slots = self._slots[lane]
+        await slots.acquire()
+        if self._terminated:  # terminated between the slot's release and this task's wake-up
+            slots.release()
+            raise WorkerClosedError("the worker was terminated before the call ran")
+        try:
+            admitted = gate()
+        except BaseException:
+            slots.release()
+            raise
+        if admitted is None:
+            slots.release()
+            return None
+        call, on_end = admitted
+        loop = asyncio.get_running_loop()
+
+        def ended() -> None:
+            slots.release()
+            on_end()
+
+        def returned(_: concurrent.futures.Future[T]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to tell
+                loop.call_soon_threadsafe(ended)
+
+        done = self._executors[lane].submit(call)
+        done.add_done_callback(returned)
+        future = asyncio.wrap_future(done)
+        if lane is Lane.CONTROL:
+            self._abandonable.add(future)
         try:
             return await future
         except asyncio.CancelledError:
-            # terminate() drops the calls still queued in the executor (cancel_futures): they never
-            # ran, so they fail like a call that raised, instead of cancelling the batch awaiting them
-            # (which would leave its requests unfinished forever).
+            # terminate() cancels the control calls awaited now (abandoned) and drops calls still
+            # queued in an executor: they fail like a call that raised, instead of cancelling the
+            # batch awaiting them (which would leave its requests unfinished forever).
             task = asyncio.current_task()
             if self._terminated and future.cancelled() and (task is None or not task.cancelling()):
-                raise WorkerClosedError("the worker was terminated before the call ran") from None
+                raise WorkerClosedError("the worker was terminated before the call returned") from None
             raise
+        finally:
+            self._abandonable.discard(future)
 
     def terminate(self) -> None:
-        """Take no more calls and drop those not started; running ones finish."""
+        """Take no more calls; fail those waiting for a thread; abandon running control calls;
+        running transfer calls finish."""
         self._terminated = True
+        for slots in self._slots.values():
+            slots.fail_waiters()
+        for future in list(self._abandonable):
+            future.cancel()
         for executor in self._executors.values():
             executor.shutdown(wait=False, cancel_futures=True)
 
     async def shutdown(self) -> None:
-        """Wait for every thread to end (on a helper thread: the loop keeps running)."""
-        for executor in self._executors.values():
-            await asyncio.to_thread(executor.shutdown, wait=True)
+        """Wait for every transfer thread to end (on a helper thread: the loop keeps running); the
+        control thread is joined unless it still runs an abandoned call."""
+        await asyncio.to_thread(self._executors[Lane.TRANSFER].shutdown, wait=True)
+        control: DaemonThread = self._executors[Lane.CONTROL]
+        await asyncio.to_thread(control.shutdown, wait=control.idle)
 
     def shutdown_now(self) -> None:
         """Blocking shutdown, for a start that failed before anything ran on the lanes."""
         for executor in self._executors.values():
             executor.shutdown(wait=True)
+
+
+def _nothing() -> None:
+    pass
+
+
+class Slots:
+    """The free threads of a lane, handed out on the loop in the order asked for."""
+
+    def __init__(self, count: int) -> None:
+        self._free = count
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._failed = False
+
+    async def acquire(self) -> None:
+        if self._failed:
+            raise WorkerClosedError("the worker was terminated before the call ran")
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self.release()  # handed a slot, then cancelled before using it: pass it on
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self._free += 1
+
+    def fail_waiters(self) -> None:
+        self._failed = True
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(WorkerClosedError("the worker was terminated before the call ran"))
+
+
+_Work = tuple[concurrent.futures.Future[Any], Callable[[], Any]]
+
+
+class DaemonThread:
+    """A one-thread executor on a daemon thread: a call that never returns (a frozen store) can be
+    abandoned, and neither close() nor interpreter exit waits for it."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
+        self._pending = 0  # submitted and not yet done
+        self._lock = threading.Lock()  # _pending changes on the loop and on the thread
+        self._thread = threading.Thread(target=_serve, args=(self._queue,), name=name, daemon=True)
+        self._thread.start()
+        # An executor dropped without shutdown (its loop died) still lets its thread end.
+        weakref.finalize(self, self._queue.put, None)
+
+    @property
+    def idle(self) -> bool:
+        return self._pending == 0
+
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        with self._lock:
+            self._pending += 1
+        future.add_done_callback(self._done)
+        self._queue.put((future, fn))
+        return future
+
+    def _done(self, _: concurrent.futures.Future[Any]) -> None:
+        with self._lock:
+            self._pending -= 1
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        # cancel_futures: the loop cancels what it abandons; a cancelled future is skipped by _serve.
+        self._queue.put(None)
+        if wait:
+            self._thread.join()
+
+
+def _serve(work: queue.SimpleQueue[_Work | None]) -> None:
+    while (item := work.get()) is not None:
+        future, fn = item
+        del item
+        if future.set_running_or_notify_cancel():
+            try:
+                result = fn()
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(result)
+        del future, fn

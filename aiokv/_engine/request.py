@@ -1,7 +1,8 @@
 """A submitted request as the engine tracks it.
 
 The batch pipeline fills the data fields (hashes, keys, positions, codes, waits). The lifecycle
-fields (``state``, ``cancel_requested``, ``timed_out``, ``error``, ``deadline_handle``) are written
+fields (``state``, ``transfer_planned``, ``running_calls``, ``cancel_requested``, ``timed_out``, ``error``,
+``deadline_handle``) are written
 only by :class:`~aiokv._engine.tracker.RequestTracker`; everyone else reads them through
 ``finished`` / ``abandoned``. Users see :class:`~aiokv.futures.TransferFuture` and results only.
 """
@@ -22,8 +23,8 @@ from .batch_keys import Cycle
 
 
 class State(enum.Enum):
-    QUEUED = "queued"  # queued, or in a batch before any backend call on its memory
-    TRANSFERRING = "transferring"  # a backend call may be reading or writing its memory
+    QUEUED = "queued"  # no backend call runs on its memory: queued, preparing, or calls waiting for a thread
+    TRANSFERRING = "transferring"  # a backend call started on its memory has not returned yet
     DONE = "done"  # its future is settled
 
 
@@ -53,6 +54,8 @@ class Request:
     waits: list[Wait] = field(default_factory=list)
     # -- lifecycle: written by the tracker only --
     state: State = State.QUEUED
+    transfer_planned: bool = False  # backend calls were planned for it (errors then wait for settle)
+    running_calls: int = 0  # backend calls on its memory started and not returned (TRANSFERRING iff > 0)
     cancel_requested: bool = False
     timed_out: bool = False
     error: BaseException | None = None

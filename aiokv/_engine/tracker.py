@@ -2,28 +2,30 @@
 
 Invariants (stated here once; nothing else writes these fields or settles a future):
 
-1. ``QUEUED → TRANSFERRING → DONE``, or ``QUEUED → DONE``; never back. Only
-   :meth:`RequestTracker.begin_transfer`, asked by the batch pipeline just before the first backend
-   call that may touch the request's memory, moves a request to TRANSFERRING.
+1. A request is TRANSFERRING exactly while one of its backend calls runs (``running_calls > 0``):
+   :meth:`RequestTracker.begin_call`, asked when a transfer thread is free to start a call, counts
+   it in (or refuses a request cancelled, timed out or finished meanwhile: its rows are dropped from
+   the call); :meth:`RequestTracker.end_call` counts it out when the thread has returned. Between
+   calls, and while its calls wait for a thread, a request is QUEUED again. DONE is final.
 2. A request is DONE exactly when its future is settled, and :meth:`_settle_future` is the only place
    that settles futures (result, exception or cancellation), updates the request counters and
    latencies, cancels the deadline and forgets the request.
 3. A TRANSFERRING request is never settled by cancel, deadline, error or terminate: those are
-   remembered (``cancel_requested``, ``timed_out``, ``error``: the first error wins) and take effect in
-   :meth:`settle`, which the pipeline calls once none of the request's backend calls runs. So a future
-   is never done while a backend may still read or write the caller's memory.
+   remembered (``cancel_requested``, ``timed_out``, ``error``: the first error wins). A cancel or
+   deadline takes effect as soon as its last running call returns (:meth:`end_call`); an error in
+   :meth:`settle`, which the pipeline calls once none of the request's calls runs (a request whose
+   calls are planned keeps its error for then too, so its other groups go on). So a future is
+   never done while a backend may still read or write the caller's memory.
 4. A QUEUED request is settled at once by cancel, deadline, :meth:`fail` or :meth:`terminate`; the
-   pipeline then sees it ``finished`` and skips it (and ``begin_transfer`` refuses it).
-
-For a per-call transfer state (a request transferring only while one of its calls runs), the
-pipeline would ask ``begin_transfer`` per call and report each call's end here; the fields to count
-them belong on the request next to ``state``.
+   pipeline then sees it ``finished`` and skips it, and :meth:`begin_call` refuses it, so none of its
+   calls that has not started ever starts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Iterable
 
 from ..errors import TransferTimeoutError
 from ..stats import Kind, WorkerStats
@@ -48,20 +50,45 @@ class RequestTracker:
 
     # -- asked by the pipeline ------------------------------------------------------------------
 
-    def begin_transfer(self, request: Request) -> bool:
-        """Move ``request`` to TRANSFERRING before a backend call touches its memory, unless it was
-        cancelled, timed out or finished meanwhile (then False: start nothing for it)."""
+    def plan_transfer(self, request: Request) -> bool:
+        """The pipeline is about to plan backend calls for ``request``: False if it was cancelled,
+        timed out or finished meanwhile (plan nothing for it). From then on an error is remembered
+        for :meth:`settle`, so the request's other groups go on (cancel and deadline still bite)."""
         if request.abandoned:
             return False
-        request.state = State.TRANSFERRING
+        request.transfer_planned = True
         return True
 
+    def begin_call(self, requests: Iterable[Request]) -> list[bool]:
+        """A thread is free to run a call on these requests' memory (each once): per request, True
+        if it goes (TRANSFERRING until :meth:`end_call`), False if it was cancelled, timed out or
+        finished meanwhile (its rows must be dropped from the call)."""
+        admitted = []
+        for request in requests:
+            ok = not request.abandoned
+            if ok:
+                request.running_calls += 1
+                request.state = State.TRANSFERRING
+            admitted.append(ok)
+        return admitted
+
+    def end_call(self, requests: Iterable[Request]) -> None:
+        """The thread returned from a call :meth:`begin_call` admitted these requests to. A request
+        with no call running any more is QUEUED again, and settled now if cancelled or timed out
+        (its calls not yet started will be refused)."""
+        for request in requests:
+            request.running_calls -= 1
+            if request.running_calls == 0 and not request.finished:
+                request.state = State.QUEUED
+                if request.cancel_requested or request.timed_out:
+                    self.settle(request)
+
     def fail(self, request: Request, error: BaseException) -> None:
-        """A step failed for ``request``: settle it now if no call of it may run, else remember the
+        """A step failed for ``request``: settle it now if no call of it is planned, else remember the
         error for :meth:`settle` (the first one wins)."""
         if request.finished:
             return
-        if request.state is State.TRANSFERRING:
+        if request.state is State.TRANSFERRING or request.transfer_planned:
             if request.error is None:
                 request.error = error
         else:
@@ -98,7 +125,7 @@ class RequestTracker:
         if request.finished:
             return False
         if request.state is State.TRANSFERRING:
-            request.cancel_requested = True  # honoured by settle()
+            request.cancel_requested = True  # honoured when its running calls return (end_call)
         else:
             self._settle_future(request, cancelled=True)
         return True
@@ -114,7 +141,7 @@ class RequestTracker:
         if request.finished:
             return
         if request.state is State.TRANSFERRING:
-            request.timed_out = True  # honoured by settle()
+            request.timed_out = True  # honoured when its running calls return (end_call)
         else:
             message = f"{request.kind.value} #{request.id} timed out before it ran"
             self._settle_future(request, error=TransferTimeoutError(message))

@@ -12,14 +12,15 @@ import numpy as np
 
 from .._arrays import BoolArray, IntArray
 from ..codes import Code
-from ..errors import AiokvError
+from ..errors import AiokvError, WorkerClosedError
 from ..layout import RegionBatch
 from ..stats import Op, WorkerStats
-from .answers import answer_codes
+from .admission import Admission, admit
+from .answers import answer_codes, batch_error
 from .backoff import PressureBackoff
 from .batch_keys import Cycle
 from .config import EngineConfig
-from .lanes import Lane, Lanes
+from .lanes import Admitted, Lane, Lanes
 from .plan import Rows
 from .regions import Call, GroupRows, split_calls
 from .tracker import RequestTracker
@@ -51,7 +52,7 @@ class GroupTransfer:
         region_batches = await self._regions(rows, group, row_codes, row_errors)
         alive = self._begin(cycle, plan)
         calls = split_calls(rows, region_batches, alive[rows.plan_of_row], self._config.max_regions_per_call)
-        await all_settled(self._call(call, row_codes, row_errors) for call in calls)
+        await all_settled(self._call(call, rows, row_codes, row_errors) for call in calls)
         for j, r in enumerate(plan):
             if alive[j]:
                 codes = row_codes[rows.offsets[j] : rows.offsets[j + 1]]
@@ -75,39 +76,69 @@ class GroupTransfer:
         try:
             return await self._lanes.run(Lane.CONTROL, self._config.layouts[group].regions_for_chunks, matrix)
         except Exception as exc:
-            error = AiokvError(f"computing the regions of group {group} failed: {exc!r}")
-            error.__cause__ = exc
+            error: AiokvError
+            if isinstance(exc, WorkerClosedError):  # terminate() abandoned the computation
+                error = batch_error(f"computing the regions of group {group}", exc)
+            else:
+                error = AiokvError(f"computing the regions of group {group} failed: {exc!r}")
+                error.__cause__ = exc
             row_codes[:] = Code.BACKEND_EXCEPTION
             row_errors.append((np.arange(row_codes.size), error))
             return []
 
     def _begin(self, cycle: Cycle, plan: list[Rows]) -> BoolArray:
-        """Per plan entry, whether its request may be transferred (the tracker's go-ahead). Requests
-        cancelled while the regions were computed are dropped before any backend call (the chunks
-        they were to write for others fail ``WRITER_CANCELLED``); the others are now in flight."""
-        alive = np.array([self._tracker.begin_transfer(r.request) for r in plan], dtype=bool)
+        """Per plan entry, whether its request may still be transferred. Requests cancelled while the
+        regions were computed get no call (the chunks they were to write for others fail
+        ``WRITER_CANCELLED``); each call asks again when a thread is free for it (:mod:`.admission`)."""
+        alive = np.array([self._tracker.plan_transfer(r.request) for r in plan], dtype=bool)
         for r, ok in zip(plan, alive.tolist(), strict=True):
             if not ok and r.op is Op.PUT:
                 cycle.outcome[r.positions] = Code.WRITER_CANCELLED
         return alive
 
     async def _call(
-        self, call: Call, row_codes: IntArray, row_errors: list[tuple[IntArray, BaseException]]
+        self,
+        call: Call,
+        rows: GroupRows,
+        row_codes: IntArray,
+        row_errors: list[tuple[IntArray, BaseException]],
     ) -> None:
-        """One backend call; its answer becomes codes as it arrives, so the loop never handles all
-        calls at once."""
-        self._stats.backend_calls[call.op] += 1
-        backend = self._config.backend
-        method = backend.batch_put if call.op is Op.PUT else backend.batch_get
+        """One backend call, started only once a transfer thread is free for it and only for the
+        requests still going then; its answer becomes codes as it arrives, so the loop never handles
+        all calls at once."""
+        admission: Admission | None = None
+
+        def gate() -> Admitted[object] | None:
+            nonlocal admission
+            admission = admit(call, rows, self._tracker)
+            row_codes[admission.dropped_rows] = Code.WRITER_CANCELLED
+            going, requests = admission.call, admission.requests
+            if going is None:
+                return None
+            self._stats.backend_calls[going.op] += 1
+            backend = self._config.backend
+            method = backend.batch_put if going.op is Op.PUT else backend.batch_get
+            return (
+                lambda: method(going.keys, going.addrs, going.sizes),
+                lambda: self._tracker.end_call(requests),
+            )
+
         answer: object
         try:
-            answer = await self._lanes.run(Lane.TRANSFER, method, call.keys, call.addrs, call.sizes)
+            answer = await self._lanes.run_gated(Lane.TRANSFER, gate)
         except Exception as exc:
+            if admission is None:  # terminate() failed it before it started
+                row_codes[call.rows] = Code.BACKEND_EXCEPTION
+                row_errors.append((call.rows, batch_error(f"batch_{call.op.value}", exc)))
+                return
             answer = exc
-        codes, error = answer_codes(call.op, call.keys, call.sizes, answer, self._stats, self._backoff)
-        row_codes[call.rows] = codes
+        if admission is None or admission.call is None:
+            return
+        went = admission.call
+        codes, error = answer_codes(went.op, went.keys, went.sizes, answer, self._stats, self._backoff)
+        row_codes[went.rows] = codes
         if error is not None:
-            row_errors.append((call.rows, error))
+            row_errors.append((went.rows, error))
 
 
 async def all_settled(coroutines: Iterable[Coroutine[Any, Any, None]]) -> None:
