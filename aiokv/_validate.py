@@ -56,13 +56,6 @@ def check_backoff(seconds: object) -> float:
     return float(seconds)
 
 
-def check_timeout(timeout: float | None) -> None:
-    if timeout is not None and (
-        isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0
-    ):
-        raise InvalidRequestError(f"timeout must be a positive number of seconds, got {timeout!r}")
-
-
 def check_tokens(
     tokens: TokenIds | HashedPrompt, chunk_tokens: int
 ) -> tuple[Sequence[str] | None, TokenIds | None, int]:

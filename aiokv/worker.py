@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ._arrays import as_positive_int
+from ._arrays import as_positive_int, as_timeout
 from ._engine.config import EngineConfig
 from ._engine.dispatcher import Dispatcher
 from ._engine.lanes import Lane, Lanes
@@ -33,7 +33,6 @@ from ._validate import (
     check_chunk_tokens,
     check_layouts,
     check_layouts_reachable,
-    check_timeout,
     check_tokens,
 )
 from .backends.base import DEFAULT_REGIONS_PER_CALL, Backend, backend_traits, check_backend
@@ -340,7 +339,7 @@ class KVWorker:
             if kind is not Kind.LOOKUP
             else []
         )
-        check_timeout(timeout)
+        deadline_s = as_timeout(timeout)
         loop = self._calling_loop()
         request_id = next(self._ids)
         request = Request(
@@ -353,7 +352,7 @@ class KVWorker:
             hashes=hashes,
             blocks=blocks,
         )
-        self._tracker.track(request, loop, timeout)
+        self._tracker.track(request, loop, deadline_s)
         return request
 
     # -- internals ------------------------------------------------------------------------------
