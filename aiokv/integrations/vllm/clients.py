@@ -8,6 +8,7 @@ Otherwise each process has its own client; the scheduler's is a pure client (no 
 from __future__ import annotations
 
 import atexit
+import importlib
 import logging
 import os
 import threading
@@ -24,15 +25,26 @@ _lock = threading.Lock()
 _shared: dict[str, list[Any]] = {}  # engine id -> [backend, users]
 
 
-def _new_backend(config: ConnectorConfig, *, pure_client: bool) -> Backend:
-    if config.backend == "memory":
-        return MemoryBackend(capacity_bytes=config.memory_capacity)
+def new_mooncake_backend(config: ConnectorConfig, *, pure_client: bool) -> Backend:
+    """A Mooncake client from the connector's ``mooncake_config`` (or ``MOONCAKE_CONFIG_PATH``)."""
     from ...backends.mooncake import MooncakeBackend
 
     client_config = mooncake_client_config(config.mooncake_config, pure_client=pure_client)
     # Mooncake retries a missing master for ~90 s by default; an engine must not sit that long.
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", str(config.setup_retries))
     return MooncakeBackend(client_config)
+
+
+def _new_backend(config: ConnectorConfig, *, pure_client: bool) -> Backend:
+    if ":" in config.backend:
+        # "package.module:factory": a backend of the user's own, factory(config, pure_client=...).
+        module_name, _, attr = config.backend.partition(":")
+        factory = getattr(importlib.import_module(module_name), attr)
+        backend: Backend = factory(config, pure_client=pure_client)
+        return backend
+    if config.backend == "memory":
+        return MemoryBackend(capacity_bytes=config.memory_capacity)
+    return new_mooncake_backend(config, pure_client=pure_client)
 
 
 def acquire_backend(engine_id: str, config: ConnectorConfig, *, pure_client: bool) -> Backend | None:

@@ -95,9 +95,10 @@ class ConnectorConfig:
         if ignored:
             logger.warning("aiokv: ignoring vLLM MooncakeStoreConnector key(s) %s", ", ".join(ignored))
         backend = extra.get("backend", "mooncake")
-        if backend not in BACKENDS:
+        if backend not in BACKENDS and not (isinstance(backend, str) and ":" in backend):
             raise ValueError(
-                f"kv_connector_extra_config['backend'] must be one of {BACKENDS}, got {backend!r}"
+                f"kv_connector_extra_config['backend'] must be one of {BACKENDS} or 'module:factory', "
+                f"got {backend!r}"
             )
         key_format = extra.get("key_format", "aiokv")
         if key_format not in KEY_FORMATS:

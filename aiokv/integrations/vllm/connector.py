@@ -115,6 +115,11 @@ class AiokvConnector(KVConnectorBase_V1):
         For offline scripts that exit right after generating; False if ``timeout`` passed first."""
         return self._work().flush(timeout)
 
+    def stats(self) -> dict[str, Any]:
+        """Worker side: the connector's events (``stores_submitted``, ``loads_submitted``,
+        ``preemptions_waited``, ``load_error_blocks``) and aiokv's worker counters."""
+        return self._work().stats()
+
     def get_kv_connector_stats(self) -> AiokvConnectorStats | None:
         if self._worker is None:
             return None

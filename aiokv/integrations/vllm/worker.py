@@ -16,7 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping
 from typing import Any
 
@@ -74,6 +74,8 @@ class WorkerSide:
         self._finishing: set[str] = set()
         self._load_errors: set[int] = set()
         self._last_stats: dict[str, int] = {}
+        # Connector-level events, for tests and logs (the worker's own counters are in stats()).
+        self.events: Counter[str] = Counter()
         self._stats_at = 0.0
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
@@ -112,7 +114,8 @@ class WorkerSide:
     def handle_preemptions(self, meta: AiokvConnectorMetadata) -> None:
         for req_id in meta.preempted:
             futures = self._stores.pop(req_id, [])
-            if futures:
+            if any(not future.done() for future in futures):
+                self.events["preemptions_waited"] += 1
                 _wait_all(futures, f"preempted request {req_id}")
 
     def start_load_kv(self, meta: AiokvConnectorMetadata) -> None:
@@ -126,6 +129,7 @@ class WorkerSide:
                 except Exception as exc:
                     logger.warning("aiokv: load for %s refused (%s); recomputing it", spec.req_id, exc)
             self._loads[spec.req_id] = (future, spec)
+            self.events["loads_submitted"] += 1
         if meta.sync_loads:
             # The forward reads these blocks in this step.
             for spec in meta.loads:
@@ -150,6 +154,7 @@ class WorkerSide:
                 logger.warning("aiokv: store for %s refused (%s)", spec.req_id, exc)
                 continue
             self._stores[spec.req_id].append(future)
+            self.events["stores_submitted"] += 1
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._finishing |= finished_req_ids & self._with_stores
@@ -183,6 +188,7 @@ class WorkerSide:
             except Exception as exc:
                 logger.warning("aiokv: load for %s failed (%s); recomputing it", req_id, exc)
         if failed:
+            self.events["load_error_blocks"] += len(failed)
             self._load_errors |= failed
         return True
 
@@ -212,6 +218,14 @@ class WorkerSide:
         delta = {key: value - self._last_stats.get(key, 0) for key, value in current.items()}
         self._last_stats = current
         return delta if any(delta.values()) else None
+
+    def stats(self) -> dict[str, Any]:
+        """The connector's events and the aiokv worker's counters (JSON-friendly)."""
+        out: dict[str, Any] = {"events": dict(self.events), "connected": self._worker is not None}
+        if self._worker is not None:
+            worker_stats = self._worker.stats()
+            out.update({key: value for key, value in worker_stats.items() if key != "latency"})
+        return out
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every store submitted so far is done; False if ``timeout`` passed first."""

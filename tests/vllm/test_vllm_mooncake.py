@@ -1,0 +1,240 @@
+"""AiokvConnector on a real vLLM engine (CPU build) against a real Mooncake store.
+
+Engines run in processes of their own: A stores, B (another process, its own KV cache and block ids)
+loads, and every output is compared with a run without any connector (greedy tokens and logprobs).
+The Mooncake engines are pure clients ("standalone-store"); the KV lives in a holder process's
+segment, so it outlives the engine that wrote it. Run inside a private network namespace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from aiokv.integrations.vllm.tiny_model import write_tiny_llama
+from tests.mooncake_support import require_mooncake, segment_holder
+from tests.vllm.support import (
+    BLOCK,
+    MOONCAKE_ENV,
+    connector,
+    generate,
+    require_vllm,
+    run_engine,
+    same_outputs,
+    standalone_config,
+    tokens,
+    vllm_mooncake_connector,
+)
+
+pytestmark = pytest.mark.mooncake
+
+PROMPT_A = tokens(1, 2100)  # 16 full blocks: 4 chunks of 4 blocks
+PROMPT_B = PROMPT_A[:1024] + tokens(2, 700)  # shares 8 blocks (2 chunks) with A
+PROMPT_C = tokens(3, 1100)  # the negative control's prompt
+PREEMPT = [tokens(10 + i, 1100) for i in range(4)]
+SHARED = [PROMPT_A[:1536] + tokens(20 + i, 300) for i in range(4)]  # concurrent, sharing 12 blocks
+INTEROP_D = tokens(30, 1300)
+INTEROP_E = tokens(31, 1300)
+SLOW_PUTS = "tests.vllm.support:slow_put_mooncake"
+MODEL_NAME = "tiny-llama"  # both weight sets store under one name: the control's keys collide on purpose
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, mooncake_master: Any) -> Iterator[dict[str, Any]]:
+    require_vllm()
+    require_mooncake()
+    root = tmp_path_factory.mktemp("vllm-mooncake")
+    with segment_holder(mooncake_master.address, graceful=False):
+        yield {
+            "root": root,
+            "model": write_tiny_llama(root / MODEL_NAME),
+            "other_model": write_tiny_llama(root / "other" / MODEL_NAME, seed=1),
+            "mooncake_config": standalone_config(root / "mooncake.json", mooncake_master.address),
+        }
+
+
+def aiokv(world: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return connector({"backend": "mooncake", "mooncake_config": str(world["mooncake_config"]), **extra})
+
+
+@pytest.fixture(scope="module")
+def reference(world: dict[str, Any]) -> dict[str, Any]:
+    """Every prompt without a connector, one at a time; and the shared-prefix ones batched."""
+    singles = [PROMPT_A, PROMPT_B, PROMPT_C, *PREEMPT, *SHARED, INTEROP_D, INTEROP_E]
+    steps = [generate(f"p{i}", [prompt]) for i, prompt in enumerate(singles)]
+    steps.append(generate("shared_batched", SHARED))
+    out = run_engine(world["root"], "reference", model=world["model"], steps=steps)
+    ref = {tuple(prompt): out[f"p{i}"]["outputs"][0] for i, prompt in enumerate(singles)}
+    ref["shared_batched"] = out["shared_batched"]["outputs"]
+    return ref
+
+
+@pytest.fixture(scope="module")
+def loaded(world: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """A stores A, then (small KV cache, puts delayed 3 s) the PREEMPT prompts, whose decode forces
+    preemptions while their stores are in flight; A' (other weights, same key names) stores C; then B,
+    a fresh process with its own KV cache and block ids, loads everything."""
+    runs: dict[str, Any] = {}
+    runs["A"] = run_engine(
+        world["root"],
+        "A",
+        model=world["model"],
+        env={**MOONCAKE_ENV, "AIOKV_TEST_PUT_DELAY_S": "3"},
+        # 27 usable blocks: three 9-block prompts fill the cache and their decode needs more.
+        engine={"num_gpu_blocks_override": 28, "max_model_len": 2304},
+        kv_transfer_config=aiokv(
+            world, model_name=MODEL_NAME, backend="tests.vllm.support:slow_put_mooncake"
+        ),
+        steps=[
+            generate("a", [PROMPT_A], logprobs=False),
+            generate("p", PREEMPT, max_tokens=80, logprobs=False),
+            {"op": "flush"},
+            {"op": "stats"},
+        ],
+    )
+    runs["A_other_weights"] = run_engine(
+        world["root"],
+        "A_other",
+        model=world["other_model"],
+        env=MOONCAKE_ENV,
+        kv_transfer_config=aiokv(world, model_name=MODEL_NAME),
+        steps=[generate("c", [PROMPT_C], logprobs=False), {"op": "flush"}],
+    )
+    runs["B"] = run_engine(
+        world["root"],
+        "B",
+        model=world["model"],
+        env=MOONCAKE_ENV,
+        kv_transfer_config=aiokv(world, model_name=MODEL_NAME),
+        steps=[
+            generate("a", [PROMPT_A]),
+            generate("b", [PROMPT_B]),
+            generate("c", [PROMPT_C]),
+            *[generate(f"p{i}", [prompt]) for i, prompt in enumerate(PREEMPT)],
+            generate("shared", SHARED),
+            {"op": "stats"},
+        ],
+    )
+    return runs
+
+
+def only(run: dict[str, Any], name: str) -> dict[str, Any]:
+    (output,) = run[name]["outputs"]
+    return output
+
+
+def test_other_process_hits_every_full_block_and_matches(
+    loaded: dict[str, Any], reference: dict[str, Any]
+) -> None:
+    assert loaded["A"]["stats"]["events"]["stores_submitted"] >= 1
+    got = only(loaded["B"], "a")
+    assert got["cached"] == 16 * BLOCK  # every full block of the 2,100-token prompt
+    assert same_outputs(got, reference[tuple(PROMPT_A)])
+
+
+def test_shared_prefix_hits_and_matches(loaded: dict[str, Any], reference: dict[str, Any]) -> None:
+    got = only(loaded["B"], "b")
+    assert got["cached"] == 1024
+    assert same_outputs(got, reference[tuple(PROMPT_B)])
+
+
+def test_wrong_stored_values_change_outputs(loaded: dict[str, Any], reference: dict[str, Any]) -> None:
+    """Negative control: C's stored KV came from other weights; B loads it and its outputs differ,
+    so the comparisons above would catch wrong KV."""
+    got = only(loaded["B"], "c")
+    assert got["cached"] == 8 * BLOCK
+    want = reference[tuple(PROMPT_C)]
+    assert got["tokens"] != want["tokens"] or got["logprobs"] != want["logprobs"]
+
+
+def test_preemption_with_stores_in_flight_stores_right_bytes(
+    loaded: dict[str, Any], reference: dict[str, Any]
+) -> None:
+    events = loaded["A"]["stats"]["events"]
+    assert events.get("preemptions_waited", 0) >= 1, events  # a preempted request had stores in flight
+    for i, prompt in enumerate(PREEMPT):
+        got = only(loaded["B"], f"p{i}")
+        assert got["cached"] == 8 * BLOCK, (i, got["cached"])
+        assert same_outputs(got, reference[tuple(prompt)]), i
+
+
+def test_concurrent_requests_sharing_a_prefix(loaded: dict[str, Any], reference: dict[str, Any]) -> None:
+    outputs = loaded["B"]["shared"]["outputs"]
+    assert all(out["cached"] >= 1536 for out in outputs), [out["cached"] for out in outputs]
+    for got, want in zip(outputs, reference["shared_batched"], strict=True):
+        assert same_outputs(got, want)
+
+
+def test_interop_with_vllms_mooncake_store_connector(
+    world: dict[str, Any], reference: dict[str, Any]
+) -> None:
+    """key_format "vllm": vLLM's connector stores D, aiokv loads it and stores E, vLLM's loads E."""
+    vllm_env = {**MOONCAKE_ENV, "MOONCAKE_CONFIG_PATH": str(world["mooncake_config"])}
+    full = (1300 - 1) // BLOCK * BLOCK
+    run_engine(
+        world["root"],
+        "vllm_stores",
+        model=world["model"],
+        env=vllm_env,
+        kv_transfer_config=vllm_mooncake_connector(),
+        steps=[generate("d", [INTEROP_D], logprobs=False), {"op": "sleep", "seconds": 4}],
+    )
+    ours = run_engine(
+        world["root"],
+        "aiokv_vllm_format",
+        model=world["model"],
+        env=MOONCAKE_ENV,
+        kv_transfer_config=aiokv(world, key_format="vllm"),
+        steps=[generate("d", [INTEROP_D]), generate("e", [INTEROP_E]), {"op": "flush"}],
+    )
+    got = only(ours, "d")
+    assert got["cached"] == full
+    assert same_outputs(got, reference[tuple(INTEROP_D)])
+    theirs = run_engine(
+        world["root"],
+        "vllm_loads",
+        model=world["model"],
+        env=vllm_env,
+        kv_transfer_config=vllm_mooncake_connector(),
+        steps=[generate("e", [INTEROP_E])],
+    )
+    got = only(theirs, "e")
+    assert got["cached"] == full
+    assert same_outputs(got, reference[tuple(INTEROP_E)])
+
+
+def test_master_killed_between_store_and_load(
+    world: dict[str, Any], reference: dict[str, Any], mooncake_master_factory: Any
+) -> None:
+    """The engine stores A in its own segment, its master is killed, A is asked again: the engine
+    neither hangs nor fails, and recomputes (outputs equal)."""
+    master = mooncake_master_factory()
+    config = {
+        "metadata_server": "P2PHANDSHAKE",
+        "master_server_address": master.address,
+        "protocol": "tcp",
+        "device_name": "",
+        "global_segment_size": "32MB",
+        "local_buffer_size": "16MB",
+    }
+    out = run_engine(
+        world["root"],
+        "master_killed",
+        model=world["model"],
+        env=MOONCAKE_ENV,
+        kv_transfer_config=connector(
+            {"mooncake_config": config, "lookup_timeout_s": 2, "load_timeout_s": 10}
+        ),
+        steps=[
+            generate("before", [PROMPT_A], logprobs=False),
+            {"op": "flush"},
+            {"op": "evict"},
+            {"op": "kill", "pid": master.pid},
+            generate("after", [PROMPT_A]),
+        ],
+        timeout=240,
+    )
+    got = only(out, "after")
+    assert same_outputs(got, reference[tuple(PROMPT_A)])
