@@ -16,10 +16,10 @@ import numpy as np
 from ...layout import KVLayout
 
 HYBRID_HINT = (
-    "AiokvConnector supports models whose layers all use full attention (one KV cache group); "
-    "this model has {groups}. Start the engine with disable_hybrid_kv_cache_manager=True "
-    "(--disable-hybrid-kv-cache-manager) so vLLM puts every layer in one full-attention group, "
-    "or run it without the connector"
+    "AiokvConnector supports models whose KV cache is one full-attention group (it does not implement "
+    "SupportsHMA); this model has {groups}. Start the engine with disable_hybrid_kv_cache_manager=True "
+    "(--disable-hybrid-kv-cache-manager) so vLLM keeps every attention layer in one full-attention "
+    "group; models with Mamba or linear-attention layers cannot run with this connector"
 )
 
 
@@ -63,8 +63,8 @@ def kv_geometry(kv_cache_config: Any) -> KVGeometry:
     # Exact types: a subclass (sliding window chunks, sinks, ...) may change what a block means.
     if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
         raise ValueError(HYBRID_HINT.format(groups=f"a {type(spec).__name__} group"))
-    if getattr(spec, "sliding_window", None) or getattr(spec, "attention_chunk_size", None):
-        raise ValueError(HYBRID_HINT.format(groups="sliding-window or chunked attention layers"))
+    # A FullAttentionSpec with a sliding window (hybrid manager off) still keeps every token's KV in
+    # its blocks, so its blocks are whole and safe to store and load.
     return KVGeometry(
         layer_names=tuple(groups[0].layer_names),
         block_size=int(spec.block_size),
