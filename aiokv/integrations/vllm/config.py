@@ -76,6 +76,7 @@ class ConnectorConfig:
     cache_prefix: str = ""
     memory_capacity: int = 1 << 30
     lookup_timeout_s: float = 5.0
+    lookup_wait_s: float = 0.02
     load_timeout_s: float = 30.0
     store_timeout_s: float = 60.0
     setup_retries: int = 2
@@ -137,6 +138,7 @@ class ConnectorConfig:
             cache_prefix=extra.get("cache_prefix") or "",
             memory_capacity=parse_size(extra.get("memory_capacity", 1 << 30), "memory_capacity"),
             lookup_timeout_s=float(_positive(extra, "lookup_timeout_s", 5.0)),
+            lookup_wait_s=float(_positive(extra, "lookup_wait_s", 0.02)),
             load_timeout_s=float(_positive(extra, "load_timeout_s", 30.0)),
             store_timeout_s=float(_positive(extra, "store_timeout_s", 60.0)),
             setup_retries=_positive(extra, "setup_retries", 2, integer=True),

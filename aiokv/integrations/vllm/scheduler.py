@@ -26,8 +26,6 @@ from .metadata import AiokvConnectorMetadata, TransferSpec
 
 logger = logging.getLogger("aiokv.vllm")
 
-_FIRST_WAIT_S = 0.02  # how long the first ask waits for a lookup before answering "ask again"
-
 
 @dataclass
 class _Lookup:
@@ -116,7 +114,8 @@ class SchedulerSide:
             lookup = self._lookups[req_id] = _Lookup(
                 future, prompt, time.monotonic() + self.config.lookup_timeout_s
             )
-            concurrent.futures.wait([future], timeout=_FIRST_WAIT_S)
+            # A short wait answers most lookups at the first ask; the rest are asked again next step.
+            concurrent.futures.wait([future], timeout=self.config.lookup_wait_s)
         if not lookup.future.done():
             if time.monotonic() < lookup.deadline + 1.0:
                 return None
@@ -150,8 +149,8 @@ class SchedulerSide:
         )
         if self.config.load_async:
             self._loading.add(req_id)
-        # What was just loaded is in the store already.
-        self._stored_chunks[req_id] = max(self._stored_chunks.get(req_id, 0), len(hit.prompt.hashes))
+        # Loaded chunks are not marked stored: if the load fails they are recomputed, and the store
+        # that follows writes them again (chunks the store has are skipped by one existence check).
 
     # -- each step ------------------------------------------------------------------------------
 
