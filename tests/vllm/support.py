@@ -153,12 +153,57 @@ def same_outputs(got: dict[str, Any], want: dict[str, Any]) -> bool:
     return got["tokens"] == want["tokens"] and got["logprobs"] == want["logprobs"]
 
 
+class CheckedSlowPuts:
+    """A backend wrapper for the preemption test: every put copies the bytes it is about to store,
+    waits ``delay_s`` (so the engine preempts the request while the store is in flight), stores, reads
+    the value back and records whether it still equals the copy. A block reused by the engine before
+    the store read it would show up as a mismatch (the bug class of vllm#52360), whatever the numerics.
+    Results go to the JSON-lines file named by ``AIOKV_TEST_PUT_LOG``."""
+
+    def __init__(self, inner: Any, delay_s: float, log_path: str) -> None:
+        self.inner = inner
+        self.delay_s = delay_s
+        self.log_path = log_path
+        self._scratch = np.zeros(64 << 20, dtype=np.uint8)
+        inner.register_buffer(self._scratch.ctypes.data, self._scratch.nbytes)
+
+    def batch_put(self, keys: Any, addrs: Any, sizes: Any) -> list[int]:
+        import ctypes
+        import time
+
+        regions = [
+            list(zip(np.asarray(a).tolist(), np.asarray(z).tolist(), strict=True))
+            for a, z in zip(addrs, sizes, strict=True)
+        ]
+        before = [
+            b"".join(ctypes.string_at(addr, size) for addr, size in key_regions) for key_regions in regions
+        ]
+        time.sleep(self.delay_s)
+        codes: list[int] = self.inner.batch_put(keys, addrs, sizes)
+        same = []
+        for key, value, code in zip(keys, before, codes, strict=True):
+            if code < 0 or len(value) > self._scratch.nbytes:
+                continue
+            read = self.inner.batch_get([key], [[self._scratch.ctypes.data]], [[len(value)]])
+            same.append(read == [len(value)] and self._scratch[: len(value)].tobytes() == value)
+        with open(self.log_path, "a") as log:
+            log.write(json.dumps({"keys": len(keys), "checked": len(same), "equal": sum(same)}) + "\n")
+        return codes
+
+    def close(self) -> None:
+        self.inner.unregister_buffer(self._scratch.ctypes.data)
+        self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
 def slow_put_mooncake(config: Any, *, pure_client: bool) -> Any:
     """Backend factory for ``"backend": "tests.vllm.support:slow_put_mooncake"``: Mooncake with every
-    put delayed, so stores are still in flight when the engine preempts their request."""
+    put delayed and checked (:class:`CheckedSlowPuts`)."""
     from aiokv.integrations.vllm.clients import new_mooncake_backend
-    from aiokv.testing import FaultInjectingBackend, FaultRule
 
-    delay = float(os.environ.get("AIOKV_TEST_PUT_DELAY_S", "3"))
     inner = new_mooncake_backend(config, pure_client=pure_client)
-    return FaultInjectingBackend(inner, rules=[FaultRule(op="put", delay_s=delay)])
+    return CheckedSlowPuts(
+        inner, float(os.environ["AIOKV_TEST_PUT_DELAY_S"]), os.environ["AIOKV_TEST_PUT_LOG"]
+    )
