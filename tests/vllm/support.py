@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +166,7 @@ class CheckedSlowPuts:
         self.delay_s = delay_s
         self.log_path = log_path
         self._scratch = np.zeros(64 << 20, dtype=np.uint8)
+        self._scratch_lock = threading.Lock()  # puts run on several threads; one scratch buffer
         inner.register_buffer(self._scratch.ctypes.data, self._scratch.nbytes)
 
     def batch_put(self, keys: Any, addrs: Any, sizes: Any) -> list[int]:
@@ -184,8 +186,9 @@ class CheckedSlowPuts:
         for key, value, code in zip(keys, before, codes, strict=True):
             if code < 0 or len(value) > self._scratch.nbytes:
                 continue
-            read = self.inner.batch_get([key], [[self._scratch.ctypes.data]], [[len(value)]])
-            same.append(read == [len(value)] and self._scratch[: len(value)].tobytes() == value)
+            with self._scratch_lock:
+                read = self.inner.batch_get([key], [[self._scratch.ctypes.data]], [[len(value)]])
+                same.append(read == [len(value)] and self._scratch[: len(value)].tobytes() == value)
         with open(self.log_path, "a") as log:
             log.write(json.dumps({"keys": len(keys), "checked": len(same), "equal": sum(same)}) + "\n")
         return codes

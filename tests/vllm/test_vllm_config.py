@@ -151,3 +151,31 @@ def test_aiokv_keys_chain_whole_chunks_of_block_hashes() -> None:
     assert len(prompt.hashes) == 2 and prompt.chunk_tokens == 256  # the fifth block is no whole chunk
     changed = hashed_prompt([*hashes[:2], b"x" * 32, *hashes[3:]], 5, config, 128)
     assert changed.hashes[0] == prompt.hashes[0] and changed.hashes[1] != prompt.hashes[1]
+
+
+def test_stats_through_vllms_hooks() -> None:
+    """Worker counters reach vLLM's stats logger (aggregated over workers) and Prometheus."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from aiokv.integrations.vllm.connector import AiokvConnector
+
+    stats = AiokvConnector.build_kv_connector_stats({"chunks_loaded": 3, "bytes_get": 100})
+    stats = stats.aggregate(AiokvConnector.build_kv_connector_stats({"chunks_loaded": 1}))
+    assert stats.reduce() == {"chunks_loaded": 4, "bytes_get": 100} and not stats.is_empty()
+
+    registry = CollectorRegistry()
+
+    class LocalCounter(Counter):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, registry=registry, **kwargs)
+
+    prom = AiokvConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None),
+        {Gauge: Gauge, Counter: LocalCounter, Histogram: Histogram},
+        ["engine"],
+        {0: ["0"]},
+    )
+    prom.observe(stats.data, engine_idx=0)
+    assert registry.get_sample_value("vllm:aiokv_chunks_loaded_total", {"engine": "0"}) == 4
