@@ -196,7 +196,8 @@ def test_preemption_with_stores_in_flight_stores_right_bytes(
 def test_interop_with_vllms_mooncake_store_connector(
     world: dict[str, Any], reference: dict[str, Any]
 ) -> None:
-    """key_format "vllm": vLLM's connector stores D, aiokv loads it and stores E, vLLM's loads E."""
+    """key_format "vllm": vLLM's connector stores D, aiokv loads it and stores E, vLLM's loads E
+    (the aiokv engine in vLLM's default multiprocess mode)."""
     vllm_env = {**MOONCAKE_ENV, "MOONCAKE_CONFIG_PATH": str(world["mooncake_config"])}
     full = (1300 - 1) // BLOCK * BLOCK
     run_engine(
@@ -207,13 +208,14 @@ def test_interop_with_vllms_mooncake_store_connector(
         kv_transfer_config=vllm_mooncake_connector(),
         steps=[generate("d", [INTEROP_D], logprobs=False), {"op": "sleep", "seconds": 4}],
     )
+    # vLLM's default multiprocess engine: scheduler, worker and front end in three processes.
     ours = run_engine(
         world["root"],
         "aiokv_vllm_format",
         model=world["model"],
-        env=MOONCAKE_ENV,
+        env={**MOONCAKE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
         kv_transfer_config=aiokv(world, key_format="vllm"),
-        steps=[generate("d", [INTEROP_D]), generate("e", [INTEROP_E]), {"op": "flush"}],
+        steps=[generate("d", [INTEROP_D]), generate("e", [INTEROP_E]), {"op": "sleep", "seconds": 3}],
     )
     got = only(ours, "d")
     assert got["cached"] == full
