@@ -80,7 +80,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--tokens", type=int, default=2000, help="prompt length")
+    parser.add_argument("--tokens", type=int, default=2100, help="prompt length (2,100: 16 full blocks)")
     args = parser.parse_args()
 
     import numpy as np
