@@ -204,7 +204,8 @@ def mooncake_client_config(source: Mapping[str, Any] | str | None, *, pure_clien
         if parse_size(config.get("global_segment_size", 0), "global_segment_size") != 0:
             raise ValueError("Mooncake config 'mode' standalone-store requires 'global_segment_size' 0")
         config["global_segment_size"] = 0
-    config.setdefault("local_hostname", default_local_hostname())
+    if "local_hostname" not in config:
+        config["local_hostname"] = default_local_hostname()
     config.setdefault("protocol", "tcp")
     config.setdefault("device_name", "")
     if pure_client:
