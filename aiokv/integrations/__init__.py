@@ -1,0 +1,1 @@
+"""Glue between aiokv and serving engines; each engine's package imports that engine lazily."""

@@ -1,0 +1,153 @@
+"""``AiokvConnector``: aiokv as a vLLM (v1) KV connector. Tested with vLLM 0.32.0.
+
+    kv_transfer_config={"kv_connector": "AiokvConnector",
+                        "kv_connector_module_path": "aiokv.integrations.vllm",
+                        "kv_role": "kv_both", "kv_connector_extra_config": {...}}
+
+vLLM builds one instance per role: the scheduler's (:mod:`.scheduler`) and each worker's
+(:mod:`.worker`). Keys and extra-config keys: docs/vllm.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from .config import ConnectorConfig
+from .geometry import kv_geometry
+from .metadata import AiokvConnectorMetadata
+from .metrics import AiokvConnectorStats, AiokvPromMetrics
+from .scheduler import SchedulerSide
+from .worker import WorkerSide
+
+logger = logging.getLogger("aiokv.vllm")
+
+
+class AiokvConnector(KVConnectorBase_V1):
+    """Loads and stores full KV blocks through aiokv (Mooncake, or the embedded store)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        if kv_cache_config is None:
+            raise ValueError("AiokvConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
+        transfer = vllm_config.kv_transfer_config
+        self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        geometry = kv_geometry(kv_cache_config)
+        if transfer.kv_load_failure_policy != "recompute" and role == KVConnectorRole.SCHEDULER:
+            logger.warning(
+                "aiokv: kv_load_failure_policy is %r: a request whose KV fails to load errors out; "
+                "set kv_load_failure_policy='recompute' to recompute those blocks instead",
+                transfer.kv_load_failure_policy,
+            )
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(vllm_config, self.config, geometry)
+        else:
+            self._worker = WorkerSide(vllm_config, self.config, geometry)
+
+    def _sched(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler-side method was called on the worker-side AiokvConnector")
+        return self._scheduler
+
+    def _work(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("a worker-side method was called on the scheduler-side AiokvConnector")
+        return self._worker
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a store lost to preemption is a later miss, never wrong KV
+
+    # -- scheduler side -------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        self._sched().update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request), None
+
+    # -- worker side ----------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        self._work().register_kv_caches(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._work().handle_preemptions(_meta(kv_connector_metadata))
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        self._work().start_load_kv(_meta(self._get_connector_metadata()))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # whole-request loads: start_load_kv (sync) or the scheduler (async) waits
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # stores are submitted once per step, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        self._work().wait_for_save(_meta(self._get_connector_metadata()))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._work().get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().get_block_ids_with_load_errors()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Worker side: wait until every store submitted so far is in the store (or failed).
+
+        For offline scripts that exit right after generating; False if ``timeout`` passed first."""
+        return self._work().flush(timeout)
+
+    def stats(self) -> dict[str, Any]:
+        """Worker side: the connector's events (``stores_submitted``, ``loads_submitted``,
+        ``preemptions_waited``, ``load_error_blocks``) and aiokv's worker counters."""
+        return self._work().stats()
+
+    def get_kv_connector_stats(self) -> AiokvConnectorStats | None:
+        if self._worker is None:
+            return None
+        delta = self._worker.stats_delta()
+        return AiokvConnectorStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> AiokvConnectorStats:
+        return AiokvConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> AiokvPromMetrics:
+        return AiokvPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+
+def _meta(meta: KVConnectorMetadata) -> AiokvConnectorMetadata:
+    if not isinstance(meta, AiokvConnectorMetadata):
+        raise TypeError(f"AiokvConnector got {type(meta).__name__} metadata")
+    return meta

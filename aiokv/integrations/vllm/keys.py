@@ -1,0 +1,84 @@
+"""Keys from vLLM's own block hashes, in aiokv's format or exactly as vLLM's MooncakeStoreConnector.
+
+vLLM hashes every full block (chained, with cache salt, LoRA and multimodal inputs folded in), so
+nothing re-hashes tokens here. ``"aiokv"`` chains ``chunk_blocks`` block hashes into one chunk digest
+(``HashedPrompt.from_block_hashes``) under a namespace naming model, device, layout and ranks.
+``"vllm"`` writes ``<model>@tp_rank:T@pcp0@dcp0@pp_rank:P@group:0@<block hash hex>``, one key per block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ...keys import HashedPrompt, KeyNamespace
+from .config import ConnectorConfig
+from .geometry import KVGeometry
+
+
+@dataclass(frozen=True)
+class VllmKeyNamespace(KeyNamespace):
+    """Keys byte-identical to vLLM's ``PoolKey`` (``RankLocalStoreLayout``, no store-TP sharding)."""
+
+    cache_prefix: str = ""
+
+    def prefix(self, layout_fingerprint: str, group: int) -> str:
+        # vLLM's keys carry no layout fingerprint: both connectors must run the same KV layout.
+        head = f"{self.cache_prefix}@" if self.cache_prefix else ""
+        return f"{head}{self.model}@tp_rank:{self.tp_rank}@pcp0@dcp0@pp_rank:{self.pp_rank}@group:{group}@"
+
+
+def model_name(vllm_config: Any, config: ConnectorConfig) -> str:
+    """``model_name`` from the config, else the model path's last component (as vLLM's connector)."""
+    if config.model_name:
+        return config.model_name
+    return str(vllm_config.model_config.model).rstrip("/").split("/")[-1]
+
+
+def device_tag() -> str:
+    """The kernel family that wrote the bytes: CPU attention kernels differ per ISA (amx, vec)."""
+    import torch
+    from vllm.platforms import current_platform
+
+    device = str(current_platform.device_type)
+    if device == "cpu":
+        return f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
+    return device
+
+
+def key_namespace(
+    vllm_config: Any, config: ConnectorConfig, geometry: KVGeometry, *, tp_rank: int, pp_rank: int
+) -> KeyNamespace:
+    """The namespace of this rank's keys (the scheduler's lookups use rank 0's)."""
+    parallel = vllm_config.parallel_config
+    tp_size, pp_size = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
+    name = model_name(vllm_config, config)
+    if config.key_format == "vllm":
+        num_kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
+        # As vLLM: byte-identical TP replicas share one key (MLA: every rank; GQA: tp_size / kv heads).
+        replicas = tp_size if geometry.is_mla else max(1, tp_size // max(1, num_kv_heads))
+        return VllmKeyNamespace(
+            name, tp_rank=tp_rank // replicas, pp_rank=pp_rank, cache_prefix=config.cache_prefix
+        )
+    head = f"{config.cache_prefix}@" if config.cache_prefix else ""
+    # TP size is in the key: another TP size holds other shards. MLA's KV is the same on every rank.
+    shards = "mla" if geometry.is_mla else f"tp{tp_size}"
+    return KeyNamespace(
+        f"{head}{name}@{device_tag()}@{shards}pp{pp_size}",
+        tp_rank=tp_rank,
+        pp_rank=pp_rank,
+        share_across_tp=geometry.is_mla,
+    )
+
+
+def hashed_prompt(
+    block_hashes: Sequence[Any], num_blocks: int, config: ConnectorConfig, block_size: int
+) -> HashedPrompt:
+    """The chunk digests of the first ``num_blocks`` blocks (whole chunks only)."""
+    chunk_tokens = config.chunk_blocks * block_size
+    usable = num_blocks - num_blocks % config.chunk_blocks
+    hashes = block_hashes[:usable]
+    if config.key_format == "vllm":
+        return HashedPrompt(tuple(bytes(h).hex() for h in hashes), chunk_tokens)
+    return HashedPrompt.from_block_hashes([bytes(h) for h in hashes], block_size, chunk_tokens)

@@ -1,0 +1,28 @@
+"""What the scheduler-side connector tells the worker-side one each step (pickled across processes)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from ...keys import HashedPrompt
+
+
+@dataclass(frozen=True)
+class TransferSpec:
+    """Chunks ``prompt`` of request ``req_id`` to move between the store and ``block_ids`` (one per
+    block of those chunks, in token order)."""
+
+    req_id: str
+    prompt: HashedPrompt
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class AiokvConnectorMetadata(KVConnectorMetadata):
+    loads: list[TransferSpec] = field(default_factory=list)
+    stores: list[TransferSpec] = field(default_factory=list)
+    # Preempted this step: their blocks may be reused by this very step's forward.
+    preempted: set[str] = field(default_factory=set)
+    sync_loads: bool = False

@@ -1,0 +1,125 @@
+"""A small, seeded random-weight Llama checkpoint for tests, examples and benchmarks (no download).
+
+vLLM's ``load_format="dummy"`` fills every weight with tiny uniform values, so logits are flat and outputs
+do not depend on the KV cache. These weights (normal, scaled by ``1/sqrt(fan_in)``, embeddings of std 1,
+a sharper ``lm_head``) make greedy outputs depend on the context, so a wrong KV block changes them, and
+they are bit-identical for equal arguments in every process.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from typing import Any
+
+import numpy as np
+
+__all__ = ["write_tiny_llama"]
+
+LM_HEAD_GAIN = 4.0  # a sharper output layer: clear greedy winners that still depend on the context
+
+
+def _weights(
+    *,
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate_size: int,
+    vocab_size: int,
+    seed: int,
+) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+
+    def linear(out_features: int, in_features: int, gain: float = 1.0) -> np.ndarray:
+        scale = gain / np.sqrt(in_features)
+        return (rng.standard_normal((out_features, in_features), dtype=np.float32) * scale).astype(np.float32)
+
+    weights: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": rng.standard_normal((vocab_size, hidden_size), dtype=np.float32)
+    }
+    for layer in range(num_layers):
+        prefix = f"model.layers.{layer}."
+        weights[prefix + "self_attn.q_proj.weight"] = linear(num_heads * head_dim, hidden_size)
+        weights[prefix + "self_attn.k_proj.weight"] = linear(num_kv_heads * head_dim, hidden_size)
+        weights[prefix + "self_attn.v_proj.weight"] = linear(num_kv_heads * head_dim, hidden_size)
+        weights[prefix + "self_attn.o_proj.weight"] = linear(hidden_size, num_heads * head_dim)
+        weights[prefix + "mlp.gate_proj.weight"] = linear(intermediate_size, hidden_size)
+        weights[prefix + "mlp.up_proj.weight"] = linear(intermediate_size, hidden_size)
+        weights[prefix + "mlp.down_proj.weight"] = linear(hidden_size, intermediate_size)
+        weights[prefix + "input_layernorm.weight"] = np.ones(hidden_size, dtype=np.float32)
+        weights[prefix + "post_attention_layernorm.weight"] = np.ones(hidden_size, dtype=np.float32)
+    weights["model.norm.weight"] = np.ones(hidden_size, dtype=np.float32)
+    weights["lm_head.weight"] = linear(vocab_size, hidden_size, LM_HEAD_GAIN)
+    return weights
+
+
+def write_tiny_llama(
+    path: str | pathlib.Path,
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 256,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 64,
+    intermediate_size: int = 512,
+    vocab_size: int = 1024,
+    seed: int = 0,
+) -> pathlib.Path:
+    """Write ``config.json`` and ``model.safetensors`` (bfloat16) of a random Llama into ``path``.
+
+    Load it with ``LLM(model=str(path), load_format="safetensors", skip_tokenizer_init=True)``. Returns
+    the directory. Needs ``torch`` and ``safetensors`` (both come with vLLM).
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    for name, value in {
+        "num_layers": num_layers,
+        "hidden_size": hidden_size,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": intermediate_size,
+        "vocab_size": vocab_size,
+    }.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    directory = pathlib.Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    weights = _weights(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        seed=seed,
+    )
+    tensors = {name: torch.from_numpy(w).to(torch.bfloat16).contiguous() for name, w in weights.items()}
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory

@@ -1,0 +1,244 @@
+"""The worker-side half of the connector: runs aiokv's worker on its own event-loop thread.
+
+Loads and stores go through aiokv's queues and dispatcher, so concurrent requests batch together.
+Memory rules (aiokv's futures are done only once the store no longer touches the blocks):
+
+- a finishing request with stores is reported in ``get_finished`` (sending) only once they are done;
+  the scheduler keeps its blocks until then;
+- a preempted request's blocks may be reused by this very step: ``handle_preemptions`` waits for its
+  stores before the forward runs;
+- a load is reported (receiving) once done; the blocks it could not fill are reported through
+  ``get_block_ids_with_load_errors`` and recomputed (``kv_load_failure_policy="recompute"``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections import Counter, defaultdict
+from collections.abc import Mapping
+from typing import Any
+
+from ...results import LoadResult
+from ...threaded import ThreadedKVWorker
+from .clients import acquire_backend, at_exit, release_backend, safe_call
+from .config import ConnectorConfig
+from .geometry import KVGeometry, engine_layout
+from .keys import key_namespace
+from .metadata import AiokvConnectorMetadata, TransferSpec
+
+logger = logging.getLogger("aiokv.vllm")
+
+_WAIT_LOG_S = 5.0  # a wait for in-flight transfers this long is logged (and then every as long)
+_STATS_INTERVAL_S = 1.0
+
+
+def _wait_all(futures: list[concurrent.futures.Future[Any]], what: str) -> None:
+    """Wait until every future is done. Not bounded here: each transfer is bounded by its own timeout
+    and the backend's, and the blocks must not be reused while one may still touch them."""
+    pending = [future for future in futures if not future.done()]
+    started = time.monotonic()
+    while pending:
+        _, not_done = concurrent.futures.wait(pending, timeout=_WAIT_LOG_S)
+        pending = list(not_done)
+        if pending:
+            logger.warning(
+                "aiokv: %s still waits for %d transfer(s) after %.0f s",
+                what,
+                len(pending),
+                time.monotonic() - started,
+            )
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: Any, config: ConnectorConfig, geometry: KVGeometry) -> None:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+        self.config = config
+        self.geometry = geometry
+        self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
+        self.tp_rank = int(get_tensor_model_parallel_rank())
+        self.namespace = key_namespace(
+            vllm_config, config, geometry, tp_rank=self.tp_rank, pp_rank=int(get_pp_group().rank_in_group)
+        )
+        # MLA: the KV is the same on every TP rank; one rank writes the shared key, all read it.
+        self.writes = not (geometry.is_mla and self.tp_rank != 0)
+        self.chunk_tokens = config.chunk_blocks * geometry.block_size
+        self._backend: Any = None
+        self._worker: ThreadedKVWorker | None = None
+        self._on_cuda = False
+        self._loads: dict[str, tuple[concurrent.futures.Future[LoadResult] | None, TransferSpec]] = {}
+        self._stores: defaultdict[str, list[concurrent.futures.Future[Any]]] = defaultdict(list)
+        self._with_stores: set[str] = set()
+        self._finishing: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._last_stats: dict[str, int] = {}
+        # Connector-level events, for tests and logs (the worker's own counters are in stats()).
+        self.events: Counter[str] = Counter()
+        self._stats_at = 0.0
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        layout = engine_layout(kv_caches, self.geometry)
+        first = next(iter(kv_caches.values()))
+        self._on_cuda = first.device.type == "cuda"
+        if self._on_cuda and self.config.backend == "memory":
+            raise ValueError("AiokvConnector backend 'memory' needs the KV cache in host memory")
+        self._backend = acquire_backend(self.engine_id, self.config, pure_client=False)
+        if self._backend is None:
+            return
+        try:
+            self._worker = ThreadedKVWorker(
+                layout,
+                self._backend,
+                namespace=self.namespace,
+                chunk_tokens=self.chunk_tokens,
+                executor_threads=self.config.executor_threads,
+            )
+        except Exception as exc:
+            logger.error("aiokv: cannot register the KV cache with the store (%s); running without it", exc)
+            release_backend(self.engine_id, self._backend)
+            self._backend = None
+            return
+        at_exit(self.shutdown)
+        logger.info(
+            "aiokv: KV cache registered (%d layers x %d blocks of %d bytes, %d tokens per key)",
+            layout.num_regions,
+            layout.num_blocks,
+            self.geometry.page_bytes,
+            self.chunk_tokens,
+        )
+
+    # -- each step ------------------------------------------------------------------------------
+
+    def handle_preemptions(self, meta: AiokvConnectorMetadata) -> None:
+        for req_id in meta.preempted:
+            futures = self._stores.pop(req_id, [])
+            if any(not future.done() for future in futures):
+                self.events["preemptions_waited"] += 1
+                _wait_all(futures, f"preempted request {req_id}")
+
+    def start_load_kv(self, meta: AiokvConnectorMetadata) -> None:
+        for spec in meta.loads:
+            future = None
+            if self._worker is not None:
+                try:
+                    future = self._worker.load(
+                        spec.prompt, [list(spec.block_ids)], timeout=self.config.load_timeout_s
+                    )
+                except Exception as exc:
+                    logger.warning("aiokv: load for %s refused (%s); recomputing it", spec.req_id, exc)
+            self._loads[spec.req_id] = (future, spec)
+            self.events["loads_submitted"] += 1
+        if meta.sync_loads:
+            # The forward reads these blocks in this step.
+            for spec in meta.loads:
+                self._finish_load(spec.req_id, wait=True)
+
+    def wait_for_save(self, meta: AiokvConnectorMetadata) -> None:
+        if not meta.stores:
+            return
+        if self._on_cuda:
+            import torch
+
+            torch.cuda.current_stream().synchronize()  # this step's KV must be written before it is read
+        for spec in meta.stores:
+            self._with_stores.add(spec.req_id)
+            if self._worker is None or not self.writes:
+                continue
+            try:
+                future = self._worker.store(
+                    spec.prompt, [list(spec.block_ids)], timeout=self.config.store_timeout_s
+                )
+            except Exception as exc:
+                logger.warning("aiokv: store for %s refused (%s)", spec.req_id, exc)
+                continue
+            self._stores[spec.req_id].append(future)
+            self.events["stores_submitted"] += 1
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._finishing |= finished_req_ids & self._with_stores
+        sending = set()
+        for req_id in list(self._finishing):
+            futures = self._stores.get(req_id, [])
+            if all(future.done() for future in futures):
+                sending.add(req_id)
+                self._finishing.discard(req_id)
+                self._with_stores.discard(req_id)
+                self._stores.pop(req_id, None)
+        for req_id, futures in list(self._stores.items()):
+            # Drop finished stores of running requests, keep the ones a preemption must wait for.
+            self._stores[req_id] = [future for future in futures if not future.done()]
+        recving = {req_id for req_id, (future, _) in list(self._loads.items()) if self._finish_load(req_id)}
+        return sending or None, recving or None
+
+    def _finish_load(self, req_id: str, *, wait: bool = False) -> bool:
+        """If the load of ``req_id`` is done (waiting for it with ``wait``), record its failed blocks."""
+        future, spec = self._loads[req_id]
+        if future is not None and wait:
+            _wait_all([future], f"load of {req_id}")
+        if future is not None and not future.done():
+            return False
+        del self._loads[req_id]
+        failed: set[int] = set(spec.block_ids)
+        if future is not None:
+            try:
+                result = future.result()
+                failed = set(result.failed_block_ids[0]) if result.failed_block_ids else set()
+            except Exception as exc:
+                logger.warning("aiokv: load for %s failed (%s); recomputing it", req_id, exc)
+        if failed:
+            self.events["load_error_blocks"] += len(failed)
+            self._load_errors |= failed
+        return True
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def stats_delta(self) -> dict[str, int] | None:
+        """Counters since the last call (at most once a second), or None."""
+        now = time.monotonic()
+        if self._worker is None or now - self._stats_at < _STATS_INTERVAL_S:
+            return None
+        self._stats_at = now
+        stats = self._worker.stats()
+        current = {
+            "store_requests": stats["requests"].get("store", 0),
+            "load_requests": stats["requests"].get("load", 0),
+            "lookup_requests": stats["requests"].get("lookup", 0),
+            "chunks_stored": stats["chunks"].get("stored", 0),
+            "chunks_skipped": stats["chunks"].get("skipped", 0),
+            "chunks_loaded": stats["chunks"].get("loaded", 0),
+            "chunks_failed": stats["chunks"].get("failed", 0) + stats["chunks"].get("load_failed", 0),
+            "bytes_put": stats["bytes"].get("put", 0),
+            "bytes_get": stats["bytes"].get("get", 0),
+            "backend_errors": sum(stats["backend_errors"].values()),
+        }
+        delta = {key: value - self._last_stats.get(key, 0) for key, value in current.items()}
+        self._last_stats = current
+        return delta if any(delta.values()) else None
+
+    def stats(self) -> dict[str, Any]:
+        """The connector's events and the aiokv worker's counters (JSON-friendly)."""
+        out: dict[str, Any] = {"events": dict(self.events), "connected": self._worker is not None}
+        if self._worker is not None:
+            worker_stats = self._worker.stats()
+            out.update({key: value for key, value in worker_stats.items() if key != "latency"})
+        return out
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every store submitted so far is done; False if ``timeout`` passed first."""
+        futures = [future for futures in self._stores.values() for future in futures]
+        _, not_done = concurrent.futures.wait(futures, timeout=timeout)
+        return not not_done
+
+    def shutdown(self) -> None:
+        for futures in self._stores.values():
+            _wait_all(futures, "shutdown")
+        if self._worker is not None:
+            worker, self._worker = self._worker, None
+            safe_call("closing the aiokv worker", lambda: worker.close(timeout=30.0))
+        if self._backend is not None:
+            backend, self._backend = self._backend, None
+            release_backend(self.engine_id, backend)

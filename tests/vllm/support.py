@@ -1,0 +1,212 @@
+"""Helpers for the tests that run a real vLLM engine (CPU build) with AiokvConnector.
+
+Each engine runs in a subprocess of its own (``engine_job.py``), in-process engine mode, with a small
+random-weight Llama the tests write themselves. Where vLLM is missing the tests skip, except under CI,
+where they fail.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.mooncake_support import in_ci
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB_SCRIPT = Path(__file__).with_name("engine_job.py")
+BLOCK = 128  # vLLM's CPU attention block size
+JOB_TIMEOUT_S = 300
+
+
+@functools.cache
+def vllm_unavailable_reason() -> str | None:
+    try:
+        import safetensors  # noqa: F401
+        import torch  # noqa: F401
+        import vllm  # noqa: F401
+    except Exception as exc:  # a broken vLLM install raises more than ImportError
+        return f"vLLM is not usable here ({type(exc).__name__}: {exc}); pip install 'aiokv[vllm]'"
+    return None
+
+
+def require_vllm() -> None:
+    reason = vllm_unavailable_reason()
+    if reason is None:
+        return
+    if in_ci():
+        pytest.fail(f"CI must run the vLLM tests, but: {reason}", pytrace=False)
+    pytest.skip(reason)
+
+
+def tokens(seed: int, count: int) -> list[int]:
+    """A deterministic prompt of ``count`` token ids (avoiding the first few special ids)."""
+    return np.random.default_rng(seed).integers(3, 1000, count).tolist()
+
+
+def connector(extra: dict[str, Any], **overrides: Any) -> dict[str, Any]:
+    config = {
+        "kv_connector": "AiokvConnector",
+        "kv_connector_module_path": "aiokv.integrations.vllm",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    }
+    config.update(overrides)
+    return config
+
+
+def vllm_mooncake_connector() -> dict[str, Any]:
+    """vLLM's own MooncakeStoreConnector (reads MOONCAKE_CONFIG_PATH)."""
+    return {
+        "kv_connector": "MooncakeStoreConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {},
+    }
+
+
+def standalone_config(path: Path, master_address: str) -> Path:
+    """A Mooncake JSON as vLLM users write it: engines are pure clients of a holder's segment."""
+    path.write_text(
+        json.dumps(
+            {
+                "metadata_server": "P2PHANDSHAKE",
+                "master_server_address": master_address,
+                "protocol": "tcp",
+                "device_name": "",
+                "mode": "standalone-store",
+                "global_segment_size": 0,
+                "local_buffer_size": "64MB",
+            }
+        )
+    )
+    return path
+
+
+MOONCAKE_ENV = {"MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1"}
+
+
+def run_engine(
+    tmp_path: Path,
+    name: str,
+    *,
+    model: Path,
+    steps: list[dict[str, Any]],
+    kv_transfer_config: dict[str, Any] | None = None,
+    engine: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = JOB_TIMEOUT_S,
+) -> dict[str, Any]:
+    """Run one engine in a fresh process; its results, or AssertionError with its log's tail."""
+    job = {
+        "model": str(model),
+        "steps": steps,
+        "kv_transfer_config": kv_transfer_config,
+        "engine": engine or {},
+        "env": env or {},
+    }
+    job_path, out_path, log_path = (tmp_path / f"{name}.{ext}" for ext in ("job.json", "out.json", "log"))
+    job_path.write_text(json.dumps(job))
+    process_env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open(log_path, "w") as log:
+        try:
+            rc = subprocess.run(
+                [sys.executable, str(JOB_SCRIPT), str(job_path), str(out_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=process_env,
+                timeout=timeout,
+                check=False,
+            ).returncode
+        except subprocess.TimeoutExpired:
+            rc = None
+    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-40:])
+    if rc != 0 or not out_path.exists():
+        raise AssertionError(f"engine {name} {'timed out' if rc is None else f'exited {rc}'}:\n{tail}")
+    results: dict[str, Any] = json.loads(out_path.read_text())
+    results["log"] = log_path.read_text(errors="replace")
+    return results
+
+
+def generate(
+    name: str, prompts: list[list[int]], max_tokens: int = 8, logprobs: bool = True
+) -> dict[str, Any]:
+    return {
+        "op": "generate",
+        "name": name,
+        "prompts": prompts,
+        "max_tokens": max_tokens,
+        "logprobs": logprobs,
+    }
+
+
+def same_outputs(got: dict[str, Any], want: dict[str, Any]) -> bool:
+    """Greedy tokens and their logprobs equal (bitwise: both are deterministic CPU runs)."""
+    return got["tokens"] == want["tokens"] and got["logprobs"] == want["logprobs"]
+
+
+class CheckedSlowPuts:
+    """A backend wrapper for the preemption test: every put copies the bytes it is about to store,
+    waits ``delay_s`` (so the engine preempts the request while the store is in flight), stores, reads
+    the value back and records whether it still equals the copy. A block reused by the engine before
+    the store read it would show up as a mismatch (the bug class of vllm#52360), whatever the numerics.
+    Results go to the JSON-lines file named by ``AIOKV_TEST_PUT_LOG``."""
+
+    def __init__(self, inner: Any, delay_s: float, log_path: str) -> None:
+        self.inner = inner
+        self.delay_s = delay_s
+        self.log_path = log_path
+        self._scratch = np.zeros(64 << 20, dtype=np.uint8)
+        self._scratch_lock = threading.Lock()  # puts run on several threads; one scratch buffer
+        inner.register_buffer(self._scratch.ctypes.data, self._scratch.nbytes)
+
+    def batch_put(self, keys: Any, addrs: Any, sizes: Any) -> list[int]:
+        import ctypes
+        import time
+
+        regions = [
+            list(zip(np.asarray(a).tolist(), np.asarray(z).tolist(), strict=True))
+            for a, z in zip(addrs, sizes, strict=True)
+        ]
+        before = [
+            b"".join(ctypes.string_at(addr, size) for addr, size in key_regions) for key_regions in regions
+        ]
+        time.sleep(self.delay_s)
+        codes: list[int] = self.inner.batch_put(keys, addrs, sizes)
+        same = []
+        for key, value, code in zip(keys, before, codes, strict=True):
+            if code < 0 or len(value) > self._scratch.nbytes:
+                continue
+            with self._scratch_lock:
+                read = self.inner.batch_get([key], [[self._scratch.ctypes.data]], [[len(value)]])
+                same.append(read == [len(value)] and self._scratch[: len(value)].tobytes() == value)
+        with open(self.log_path, "a") as log:
+            log.write(json.dumps({"keys": len(keys), "checked": len(same), "equal": sum(same)}) + "\n")
+        return codes
+
+    def close(self) -> None:
+        self.inner.unregister_buffer(self._scratch.ctypes.data)
+        self.inner.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def slow_put_mooncake(config: Any, *, pure_client: bool) -> Any:
+    """Backend factory for ``"backend": "tests.vllm.support:slow_put_mooncake"``: Mooncake with every
+    put delayed and checked (:class:`CheckedSlowPuts`)."""
+    from aiokv.integrations.vllm.clients import new_mooncake_backend
+
+    inner = new_mooncake_backend(config, pure_client=pure_client)
+    return CheckedSlowPuts(
+        inner, float(os.environ["AIOKV_TEST_PUT_DELAY_S"]), os.environ["AIOKV_TEST_PUT_LOG"]
+    )

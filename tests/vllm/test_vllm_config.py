@@ -1,0 +1,181 @@
+"""The connector's configuration, key formats and KV cache geometry, checked without an engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.vllm.support import require_vllm
+
+
+@pytest.fixture(autouse=True)
+def _vllm() -> None:
+    require_vllm()
+
+
+def test_defaults_and_every_key_checked() -> None:
+    from aiokv.integrations.vllm.config import ConnectorConfig
+
+    config = ConnectorConfig.from_extra_config({})
+    assert (config.backend, config.key_format, config.chunk_blocks, config.load_async) == (
+        "mooncake",
+        "aiokv",
+        4,
+        True,
+    )
+    assert ConnectorConfig.from_extra_config({"key_format": "vllm"}).chunk_blocks == 1
+    with pytest.raises(ValueError, match="chunk_blcks"):
+        ConnectorConfig.from_extra_config({"chunk_blcks": 2})
+    with pytest.raises(ValueError, match="chunk_blocks must be 1"):
+        ConnectorConfig.from_extra_config({"key_format": "vllm", "chunk_blocks": 4})
+    with pytest.raises(ValueError, match="'load_async'"):
+        ConnectorConfig.from_extra_config({"load_async": "yes"})
+    with pytest.raises(ValueError, match="'lookup_timeout_s'"):
+        ConnectorConfig.from_extra_config({"lookup_timeout_s": 0})
+    with pytest.raises(ValueError, match="'backend'"):
+        ConnectorConfig.from_extra_config({"backend": "redis"})
+    # Keys of vLLM's own connector are accepted (ignored) so its config can be reused.
+    assert ConnectorConfig.from_extra_config({"lookup_async": True}).backend == "mooncake"
+
+
+def test_mooncake_json_as_vllm_users_write_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiokv.backends.mooncake import MooncakeConfig
+    from aiokv.integrations.vllm.config import mooncake_client_config
+
+    vllm_json: dict[str, Any] = {
+        "metadata_server": "P2PHANDSHAKE",
+        "master_server_address": "127.0.0.1:50051",
+        "protocol": "tcp",
+        "device_name": "",
+        "mode": "standalone-store",
+        "tenant_id": "default",
+        "enable_offload": True,
+        "local_buffer_size": "64MB",
+    }
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps(vllm_json))
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(path))
+    monkeypatch.setenv("MOONCAKE_REQUESTER_LOCAL_HOSTNAME", "127.0.0.1")
+    config = MooncakeConfig.from_dict(mooncake_client_config(None, pure_client=False))
+    assert (config.global_segment_size, config.local_hostname) == (0, "127.0.0.1")
+    embedded = mooncake_client_config(
+        {**vllm_json, "mode": "embedded", "global_segment_size": "1GB"}, pure_client=False
+    )
+    assert MooncakeConfig.from_dict(embedded).global_segment_size == 1 << 30
+    lookup_client = mooncake_client_config({**vllm_json, "mode": "embedded"}, pure_client=True)
+    assert lookup_client["global_segment_size"] == 0
+    with pytest.raises(ValueError, match="'global_segment_size' 0"):
+        mooncake_client_config({**vllm_json, "global_segment_size": "1GB"}, pure_client=False)
+    with pytest.raises(ValueError, match="'mode'"):
+        mooncake_client_config({**vllm_json, "mode": "cluster"}, pure_client=False)
+    with pytest.raises(ValueError, match="'tenant_id'"):
+        mooncake_client_config({**vllm_json, "tenant_id": "team-a"}, pure_client=False)
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH")
+    with pytest.raises(ValueError, match="MOONCAKE_CONFIG_PATH"):
+        mooncake_client_config(None, pure_client=False)
+
+
+def _kv_cache_config(*specs: Any) -> Any:
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], spec) for i, spec in enumerate(specs)]
+    return KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_geometry_and_refusals() -> None:
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from aiokv.integrations.vllm.geometry import kv_geometry, kv_layout_from_tensors
+
+    full = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    geometry = kv_geometry(_kv_cache_config(full))
+    assert (geometry.block_size, geometry.page_bytes, geometry.dtype) == (128, 65536, "bfloat16")
+    window = SlidingWindowSpec(
+        block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=64
+    )
+    for refused in (_kv_cache_config(full, window), _kv_cache_config(window)):
+        with pytest.raises(ValueError, match="disable_hybrid_kv_cache_manager"):
+            kv_geometry(refused)
+
+    caches = [torch.zeros(16, 2, 128, 128, dtype=torch.bfloat16) for _ in range(2)]
+    layout = kv_layout_from_tensors(caches, block_size=128, page_bytes=65536, dtype="bfloat16")
+    assert layout.base_addrs.tolist() == [c.data_ptr() for c in caches] and layout.num_blocks == 16
+    import numpy as np
+
+    scratch = np.zeros(65536, dtype=np.uint8)
+    geometry2 = kv_geometry(_kv_cache_config(full))
+    # The scheduler's lookup layout must name the same keys as the worker's engine layout.
+    one_layer = kv_layout_from_tensors(caches[:1], block_size=128, page_bytes=65536, dtype="bfloat16")
+    assert geometry2.lookup_layout(scratch).fingerprint == one_layer.fingerprint
+    with pytest.raises(ValueError, match="contiguous"):
+        kv_layout_from_tensors(
+            [caches[0].transpose(1, 2)], block_size=128, page_bytes=65536, dtype="bfloat16"
+        )
+    with pytest.raises(ValueError, match="a block is"):
+        kv_layout_from_tensors(
+            [torch.zeros(2, 16, 2, 128, 64)], block_size=128, page_bytes=65536, dtype="bfloat16"
+        )
+
+
+def test_vllm_key_format_is_vllms_own() -> None:
+    """Keys under key_format "vllm" are exactly vLLM's MooncakeStoreConnector keys."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import KeyMetadata, PoolKey
+
+    from aiokv.integrations.vllm.config import ConnectorConfig
+    from aiokv.integrations.vllm.keys import VllmKeyNamespace, hashed_prompt
+
+    block_hashes = [bytes([i]) * 32 for i in range(3)]
+    for cache_prefix in ("", "prod"):
+        namespace = VllmKeyNamespace("tiny-llama", tp_rank=1, pp_rank=2, cache_prefix=cache_prefix)
+        config = ConnectorConfig.from_extra_config({"key_format": "vllm", "cache_prefix": cache_prefix})
+        prompt = hashed_prompt(block_hashes, 3, config, 128)
+        ours = namespace.keys(prompt.hashes, "any-fingerprint", 0)
+        meta = KeyMetadata(
+            "tiny-llama", tp_rank=1, pcp_rank=0, dcp_rank=0, pp_rank=2, cache_prefix=cache_prefix
+        )
+        theirs = [PoolKey(meta, h.hex()).to_string() for h in block_hashes]
+        assert ours == theirs
+
+
+def test_aiokv_keys_chain_whole_chunks_of_block_hashes() -> None:
+    from aiokv.integrations.vllm.config import ConnectorConfig
+    from aiokv.integrations.vllm.keys import hashed_prompt
+
+    config = ConnectorConfig.from_extra_config({"chunk_blocks": 2})
+    hashes = [bytes([i]) * 32 for i in range(5)]
+    prompt = hashed_prompt(hashes, 5, config, 128)
+    assert len(prompt.hashes) == 2 and prompt.chunk_tokens == 256  # the fifth block is no whole chunk
+    changed = hashed_prompt([*hashes[:2], b"x" * 32, *hashes[3:]], 5, config, 128)
+    assert changed.hashes[0] == prompt.hashes[0] and changed.hashes[1] != prompt.hashes[1]
+
+
+def test_stats_through_vllms_hooks() -> None:
+    """Worker counters reach vLLM's stats logger (aggregated over workers) and Prometheus."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from aiokv.integrations.vllm.connector import AiokvConnector
+
+    stats = AiokvConnector.build_kv_connector_stats({"chunks_loaded": 3, "bytes_get": 100})
+    stats = stats.aggregate(AiokvConnector.build_kv_connector_stats({"chunks_loaded": 1}))
+    assert stats.reduce() == {"chunks_loaded": 4, "bytes_get": 100} and not stats.is_empty()
+
+    registry = CollectorRegistry()
+
+    class LocalCounter(Counter):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, registry=registry, **kwargs)
+
+    prom = AiokvConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None),
+        {Gauge: Gauge, Counter: LocalCounter, Histogram: Histogram},
+        ["engine"],
+        {0: ["0"]},
+    )
+    prom.observe(stats.data, engine_idx=0)
+    assert registry.get_sample_value("vllm:aiokv_chunks_loaded_total", {"engine": "0"}) == 4

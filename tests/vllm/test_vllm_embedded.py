@@ -1,0 +1,63 @@
+"""AiokvConnector with the embedded store in one in-process engine: offload beyond vLLM's own prefix
+cache. Prompts are stored, vLLM's prefix cache is dropped, and the prompts come back from the store,
+one alone and four sharing a prefix at once (synchronous loads, so the four compute in one step, as
+in the reference run). Outputs equal those of vLLM reusing its own KV for the same tokens (the same
+split into reused and computed tokens, and the same batches, so even the logprobs match bitwise)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from aiokv.integrations.vllm.tiny_model import write_tiny_llama
+from tests.vllm.support import BLOCK, connector, generate, require_vllm, run_engine, same_outputs, tokens
+
+PROMPT = tokens(40, 2100)  # 16 full blocks
+# Each shares 12 blocks with PROMPT and has 4 full blocks of its own: 16 full blocks, 4 chunks.
+SHARED = [PROMPT[:1536] + tokens(41 + i, 600) for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    require_vllm()
+    root = tmp_path_factory.mktemp("vllm-embedded")
+    extra = {"backend": "memory", "memory_capacity": "64MiB", "load_async": False, "lookup_wait_s": 2.0}
+    return run_engine(
+        root,
+        "embedded",
+        model=write_tiny_llama(root / "tiny-llama"),
+        kv_transfer_config=connector(extra),
+        steps=[
+            generate("computed", [PROMPT]),
+            # vLLM's own prefix cache: what the reloads below must equal.
+            generate("warm", [PROMPT]),
+            generate("shared_first", SHARED),  # computes and stores their own chunks
+            generate("shared_warm", SHARED),
+            {"op": "flush"},
+            {"op": "evict"},
+            generate("reloaded", [PROMPT]),
+            {"op": "evict"},
+            generate("shared_reloaded", SHARED),
+            {"op": "stats"},
+        ],
+    )
+
+
+def test_store_evict_reload(run: dict[str, Any]) -> None:
+    assert run["evict"] is True  # vLLM's prefix cache was dropped: the hits below are the store's
+    (computed,) = run["computed"]["outputs"]
+    (warm,) = run["warm"]["outputs"]
+    (reloaded,) = run["reloaded"]["outputs"]
+    assert computed["cached"] == 0 and warm["cached"] == reloaded["cached"] == 16 * BLOCK
+    assert same_outputs(reloaded, warm) and reloaded["tokens"] == computed["tokens"]
+
+
+def test_concurrent_requests_sharing_a_prefix(run: dict[str, Any]) -> None:
+    """All four at once: the first loads the shared chunks, vLLM lets the others reuse those blocks
+    in the same step, and every request loads its own last chunk: four loads in one step."""
+    reloaded = run["shared_reloaded"]["outputs"]
+    assert [out["cached"] for out in reloaded] == [16 * BLOCK] * 4
+    for got, want in zip(reloaded, run["shared_warm"]["outputs"], strict=True):
+        assert want["cached"] == 16 * BLOCK and same_outputs(got, want)
+    assert run["stats"]["events"]["loads_submitted"] == 1 + 4

@@ -1,0 +1,300 @@
+"""AiokvConnector on a real vLLM engine (CPU build) against a real Mooncake store.
+
+Engines run in processes of their own: A stores, B (another process, its own KV cache and block ids)
+loads, and every output is compared with a run without any connector (greedy tokens and logprobs).
+The Mooncake engines are pure clients ("standalone-store"); the KV lives in a holder process's
+segment, so it outlives the engine that wrote it. Run inside a private network namespace.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from aiokv.integrations.vllm.tiny_model import write_tiny_llama
+from tests.mooncake_support import require_mooncake, segment_holder
+from tests.vllm.support import (
+    BLOCK,
+    MOONCAKE_ENV,
+    connector,
+    generate,
+    require_vllm,
+    run_engine,
+    same_outputs,
+    standalone_config,
+    tokens,
+    vllm_mooncake_connector,
+)
+
+pytestmark = pytest.mark.mooncake
+
+PROMPT_A = tokens(1, 2100)  # 16 full blocks: 4 chunks of 4 blocks
+PROMPT_B = PROMPT_A[:1024] + tokens(2, 700)  # shares 8 blocks (2 chunks) with A
+PROMPT_C = tokens(3, 1100)  # the negative control's prompt
+PREEMPT = [tokens(10 + i, 1150) for i in range(4)]  # 9 blocks, 2 tokens short of full
+INTEROP_D = tokens(30, 1300)
+INTEROP_E = tokens(31, 1300)
+SLOW_PUTS = "tests.vllm.support:slow_put_mooncake"
+MODEL_NAME = "tiny-llama"  # both weight sets store under one name: the control's keys collide on purpose
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, mooncake_master: Any) -> Iterator[dict[str, Any]]:
+    require_vllm()
+    require_mooncake()
+    root = tmp_path_factory.mktemp("vllm-mooncake")
+    with segment_holder(mooncake_master.address, graceful=False):
+        yield {
+            "root": root,
+            "model": write_tiny_llama(root / MODEL_NAME),
+            "other_model": write_tiny_llama(root / "other" / MODEL_NAME, seed=1),
+            "mooncake_config": standalone_config(root / "mooncake.json", mooncake_master.address),
+        }
+
+
+def aiokv(world: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    return connector({"backend": "mooncake", "mooncake_config": str(world["mooncake_config"]), **extra})
+
+
+@pytest.fixture(scope="module")
+def reference(world: dict[str, Any]) -> dict[str, Any]:
+    """Every prompt without a connector. "cold": computed whole from an empty prefix cache. "warm":
+    computed with vLLM's own prefix cache holding exactly the blocks the connector loads in the tests
+    (the same split into reused and computed tokens, so even the logprobs must match bitwise)."""
+    evict: dict[str, Any] = {"op": "evict"}
+    # Reused blocks as in the tests: A's for A itself and for B (its first 1,024 tokens).
+    steps = [evict, generate("a_first", [PROMPT_A]), generate("a", [PROMPT_A])]
+    steps += [generate("b", [PROMPT_B])]
+    pairs = [*((f"p{i}", p) for i, p in enumerate(PREEMPT)), ("d", INTEROP_D), ("e", INTEROP_E)]
+    for name, prompt in pairs:
+        steps += [evict, generate(f"{name}_first", [prompt]), generate(name, [prompt])]
+    steps += [evict, generate("c_first", [PROMPT_C])]
+    out = run_engine(world["root"], "reference", model=world["model"], steps=steps)
+    ref: dict[Any, Any] = {
+        name: out[name]["outputs"][0] for name, _ in [("a", PROMPT_A), ("b", PROMPT_B), *pairs]
+    }
+    for name, prompt in [("a", PROMPT_A), ("c", PROMPT_C), *pairs]:
+        ref[("cold", tuple(prompt))] = out[f"{name}_first"]["outputs"][0]
+    return ref
+
+
+def matches(got: dict[str, Any], reference: dict[Any, Any], name: str, prompt: list[int]) -> bool:
+    """Same tokens and logprobs as the warm run, and (where there is one) same tokens as the cold run."""
+    cold = reference.get(("cold", tuple(prompt)))
+    return same_outputs(got, reference[name]) and (cold is None or got["tokens"] == cold["tokens"])
+
+
+@pytest.fixture(scope="module")
+def loaded(world: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
+    """A stores A, then (small KV cache, puts delayed 3 s) the PREEMPT prompts, whose decode forces
+    preemptions while their stores are in flight; A' (other weights, same key names) stores C; then B,
+    a fresh process with its own KV cache and block ids, loads everything."""
+    runs: dict[str, Any] = {}
+    runs["A"] = run_engine(
+        world["root"],
+        "A",
+        model=world["model"],
+        env={
+            **MOONCAKE_ENV,
+            "AIOKV_TEST_PUT_DELAY_S": "3",
+            "AIOKV_TEST_PUT_LOG": str(world["root"] / "puts.jsonl"),
+        },
+        # 27 usable blocks: three 9-block prompts fill the cache and their decode needs more.
+        engine={"num_gpu_blocks_override": 28, "max_model_len": 2304},
+        kv_transfer_config=aiokv(
+            world, model_name=MODEL_NAME, backend="tests.vllm.support:slow_put_mooncake"
+        ),
+        steps=[
+            generate("a", [PROMPT_A], logprobs=False),
+            {"op": "flush"},
+            {"op": "evict"},  # frees A's blocks: the whole cache is the PREEMPT prompts'
+            generate("p", PREEMPT, max_tokens=80, logprobs=False),
+            {"op": "flush"},
+            {"op": "stats"},
+        ],
+    )
+    runs["A_other_weights"] = run_engine(
+        world["root"],
+        "A_other",
+        model=world["other_model"],
+        env=MOONCAKE_ENV,
+        kv_transfer_config=aiokv(world, model_name=MODEL_NAME),
+        steps=[generate("c", [PROMPT_C], logprobs=False), {"op": "flush"}],
+    )
+    runs["B"] = run_engine(
+        world["root"],
+        "B",
+        model=world["model"],
+        env=MOONCAKE_ENV,
+        kv_transfer_config=aiokv(world, model_name=MODEL_NAME),
+        steps=[
+            generate("a", [PROMPT_A]),
+            # Dropping vLLM's prefix cache makes every later hit the store's.
+            {"op": "evict"},
+            generate("b", [PROMPT_B]),
+            generate("c", [PROMPT_C]),
+            *[generate(f"p{i}", [prompt]) for i, prompt in enumerate(PREEMPT)],
+            {"op": "stats"},
+        ],
+    )
+    return runs
+
+
+def only(run: dict[str, Any], name: str) -> dict[str, Any]:
+    (output,) = run[name]["outputs"]
+    return output
+
+
+def test_other_process_hits_every_full_block_and_matches(
+    loaded: dict[str, Any], reference: dict[str, Any]
+) -> None:
+    assert loaded["A"]["stats"]["events"]["stores_submitted"] >= 1
+    got = only(loaded["B"], "a")
+    assert got["cached"] == 16 * BLOCK  # every full block of the 2,100-token prompt
+    assert matches(got, reference, "a", PROMPT_A)
+
+
+def test_shared_prefix_hits_and_matches(loaded: dict[str, Any], reference: dict[str, Any]) -> None:
+    got = only(loaded["B"], "b")
+    assert got["cached"] == 1024
+    assert matches(got, reference, "b", PROMPT_B)
+
+
+def test_wrong_stored_values_change_outputs(loaded: dict[str, Any], reference: dict[str, Any]) -> None:
+    """Negative control: C's stored KV came from other weights; B loads it and its outputs differ,
+    so the comparisons above would catch wrong KV."""
+    got = only(loaded["B"], "c")
+    assert got["cached"] == 8 * BLOCK
+    want = reference[("cold", tuple(PROMPT_C))]
+    assert got["tokens"] != want["tokens"]
+
+
+def test_preemption_with_stores_in_flight_stores_right_bytes(
+    world: dict[str, Any], loaded: dict[str, Any], reference: dict[str, Any]
+) -> None:
+    """Stores still in flight when their request is preempted (puts delayed 3 s) store the bytes the
+    engine computed: each put's value, read back, equals the blocks as they were when the put began.
+    Then a fresh engine loads each prompt and generates the same tokens as without the connector.
+    (Logprobs may differ in the last bits here: vLLM's CPU kernels split work by batch, and the
+    stored KV was computed in a batch of three, the references alone.)"""
+    events = loaded["A"]["stats"]["events"]
+    assert events.get("preemptions_waited", 0) >= 1, events  # a preempted request had stores in flight
+    puts = [json.loads(line) for line in (world["root"] / "puts.jsonl").read_text().splitlines()]
+    assert sum(put["checked"] for put in puts) >= 4 + 2 * len(PREEMPT)  # A's chunks and the PREEMPT ones
+    assert all(put["equal"] == put["checked"] for put in puts), puts
+    for i in range(len(PREEMPT)):
+        got = only(loaded["B"], f"p{i}")
+        assert got["cached"] == 8 * BLOCK, (i, got["cached"])
+        want = reference[f"p{i}"]
+        assert got["tokens"] == want["tokens"], i
+        assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True)) < 0.05, i
+
+
+def test_interop_with_vllms_mooncake_store_connector(
+    world: dict[str, Any], reference: dict[str, Any]
+) -> None:
+    """key_format "vllm": vLLM's connector stores D, aiokv loads it and stores E, vLLM's loads E
+    (the aiokv engine in vLLM's default multiprocess mode)."""
+    vllm_env = {**MOONCAKE_ENV, "MOONCAKE_CONFIG_PATH": str(world["mooncake_config"])}
+    full = (1300 - 1) // BLOCK * BLOCK
+    run_engine(
+        world["root"],
+        "vllm_stores",
+        model=world["model"],
+        env=vllm_env,
+        kv_transfer_config=vllm_mooncake_connector(),
+        steps=[generate("d", [INTEROP_D], logprobs=False), {"op": "sleep", "seconds": 4}],
+    )
+    # vLLM's default multiprocess engine: scheduler, worker and front end in three processes.
+    ours = run_engine(
+        world["root"],
+        "aiokv_vllm_format",
+        model=world["model"],
+        env={**MOONCAKE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+        kv_transfer_config=aiokv(world, key_format="vllm"),
+        steps=[generate("d", [INTEROP_D]), generate("e", [INTEROP_E]), {"op": "sleep", "seconds": 3}],
+    )
+    got = only(ours, "d")
+    assert got["cached"] == full
+    assert matches(got, reference, "d", INTEROP_D)
+    theirs = run_engine(
+        world["root"],
+        "vllm_loads",
+        model=world["model"],
+        env=vllm_env,
+        kv_transfer_config=vllm_mooncake_connector(),
+        steps=[generate("e", [INTEROP_E])],
+    )
+    got = only(theirs, "e")
+    assert got["cached"] == full
+    assert matches(got, reference, "e", INTEROP_E)
+
+
+def test_master_killed_between_store_and_load(
+    world: dict[str, Any], reference: dict[str, Any], mooncake_master_factory: Any
+) -> None:
+    """The engine stores A in its own segment, its master is killed, A is asked again: the engine
+    neither hangs nor fails, and recomputes (outputs equal)."""
+    master = mooncake_master_factory()
+    config = {
+        "metadata_server": "P2PHANDSHAKE",
+        "master_server_address": master.address,
+        "protocol": "tcp",
+        "device_name": "",
+        "global_segment_size": "32MB",
+        "local_buffer_size": "16MB",
+    }
+    out = run_engine(
+        world["root"],
+        "master_killed",
+        model=world["model"],
+        env=MOONCAKE_ENV,
+        kv_transfer_config=connector(
+            {"mooncake_config": config, "lookup_timeout_s": 2, "load_timeout_s": 10}
+        ),
+        steps=[
+            generate("before", [PROMPT_A], logprobs=False),
+            {"op": "flush"},
+            {"op": "evict"},
+            {"op": "kill", "pid": master.pid},
+            generate("after", [PROMPT_A]),
+        ],
+        timeout=240,
+    )
+    got = only(out, "after")
+    assert same_outputs(got, reference[("cold", tuple(PROMPT_A))])
+
+
+def test_no_master_at_start_up_means_no_cache_not_a_hang(world: dict[str, Any]) -> None:
+    """With nothing at the master address the client setup gives up after a few attempts and the
+    connector runs without a store, instead of Mooncake's ~90 s of retries or an error."""
+    import os
+    import time
+
+    from aiokv.backends.mooncake_master import free_ports
+    from aiokv.integrations.vllm.clients import acquire_backend
+    from aiokv.integrations.vllm.config import ConnectorConfig
+
+    config = ConnectorConfig.from_extra_config(
+        {
+            "setup_retries": 1,
+            "mooncake_config": {
+                "metadata_server": "P2PHANDSHAKE",
+                "master_server_address": f"127.0.0.1:{free_ports(1)[0]}",
+                "local_hostname": "127.0.0.1",
+                "global_segment_size": 0,
+            },
+        }
+    )
+    previous = os.environ.pop("MC_STORE_CLIENT_SETUP_RETRIES", None)
+    try:
+        began = time.monotonic()
+        assert acquire_backend("no-master-engine", config, pure_client=True) is None
+        assert time.monotonic() - began < 60  # Mooncake's default retries take ~90 s
+    finally:
+        os.environ.pop("MC_STORE_CLIENT_SETUP_RETRIES", None)
+        if previous is not None:
+            os.environ["MC_STORE_CLIENT_SETUP_RETRIES"] = previous
