@@ -80,8 +80,8 @@ def kv_layout_from_tensors(
     """One region per layer tensor ``[num_blocks, ...]`` whose block ``b`` is the contiguous
     ``page_bytes`` at ``data_ptr() + b * page_bytes`` (vLLM's CPU attention backend, and any backend
     with blocks outermost). The value of a block in the store is then its page of every layer back to
-    back, as vLLM's MooncakeStoreConnector writes it. (``KVLayout.from_tensors(tensors,
-    block_size=..., block_dim=0)`` does the same once it lands.)"""
+    back, as vLLM's MooncakeStoreConnector writes it; the checks here give vLLM users messages in vLLM's
+    terms before :meth:`KVLayout.from_tensors` builds the layout."""
     if not tensors:
         raise ValueError("no KV cache tensors to register")
     num_blocks = int(tensors[0].shape[0])
@@ -100,13 +100,10 @@ def kv_layout_from_tensors(
                 f"unsupported KV cache tensor {index}: a block is {stride[0] * tensor.element_size()} "
                 f"bytes but the KV cache spec says {page_bytes}"
             )
-    return KVLayout(
-        [int(tensor.data_ptr()) for tensor in tensors],
-        [page_bytes],
-        block_size=block_size,
-        num_blocks=num_blocks,
-        dtype=dtype,
-    )
+    layout = KVLayout.from_tensors(tensors, block_size=block_size, block_dim=0)
+    if layout.dtype != dtype:
+        raise ValueError(f"the KV cache tensors hold {layout.dtype}, the KV cache spec says {dtype}")
+    return layout
 
 
 def engine_layout(kv_caches: Mapping[str, Any], geometry: KVGeometry) -> KVLayout:
