@@ -298,6 +298,10 @@ def run_bench(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv and argv[0] == "scale":  # python -m aiokv bench scale: loop stalls at scale (issue 10)
+        from .scale import main as scale_main
+
+        return scale_main(argv[1:])
     args = _resolve(argv)
     started = time.perf_counter()
 
