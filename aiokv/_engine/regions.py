@@ -1,6 +1,7 @@
 """Step 5 of a batch: region planning. One group's rows (chunks to move, of many requests) become
 backend calls of at most ``max_regions_per_call`` regions each (:func:`~aiokv.backends.base.keys_per_call`),
-so that no call holds the GIL for long while the binding converts its arguments."""
+so that no call holds the GIL for long while the binding converts its arguments, and a large move is
+spread over every transfer thread."""
 
 from __future__ import annotations
 
@@ -66,9 +67,14 @@ class Call:
 
 
 def split_calls(
-    group_rows: GroupRows, region_batches: list[RegionBatch], live_row: BoolArray, max_regions_per_call: int
+    group_rows: GroupRows,
+    region_batches: list[RegionBatch],
+    live_row: BoolArray,
+    max_regions_per_call: int,
+    threads: int,
 ) -> list[Call]:
-    """The calls moving every live row, puts and gets apart, each within ``max_regions_per_call``."""
+    """The calls moving every live row, puts and gets apart, each within ``max_regions_per_call``,
+    large moves spread over the ``threads`` transfer threads (:func:`keys_per_call`)."""
     calls: list[Call] = []
     for regions in region_batches:
         for op, wanted in ((Op.PUT, group_rows.is_put), (Op.GET, ~group_rows.is_put)):
@@ -79,7 +85,13 @@ def split_calls(
                 rows, addrs, sizes = regions.rows, regions.addrs, regions.sizes
             else:
                 rows, addrs, sizes = regions.rows[mask], regions.addrs[mask], regions.sizes[mask]
-            per_call = keys_per_call(max_regions_per_call, addrs.shape[1])
+            per_call = keys_per_call(
+                max_regions_per_call,
+                addrs.shape[1],
+                keys=rows.size,
+                total_bytes=int(sizes.sum()),
+                threads=threads,
+            )
             for start in range(0, rows.size, per_call):
                 part = slice(start, start + per_call)
                 rows_part = rows[part]

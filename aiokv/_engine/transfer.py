@@ -51,7 +51,11 @@ class GroupTransfer:
         row_errors: list[tuple[IntArray, BaseException]] = []
         region_batches = await self._regions(rows, group, row_codes, row_errors)
         alive = await self._begin(cycle, plan)
-        calls = split_calls(rows, region_batches, alive[rows.plan_of_row], self._config.max_regions_per_call)
+        config = self._config
+        live_rows = alive[rows.plan_of_row]
+        calls = split_calls(
+            rows, region_batches, live_rows, config.max_regions_per_call, config.transfer_threads
+        )
         await all_settled(self._call(call, row_codes, row_errors) for call in calls)
         clock = LoopSlice()
         offsets = rows.offsets.tolist()
