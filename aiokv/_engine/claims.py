@@ -39,9 +39,12 @@ class Claims:
         owned = np.flatnonzero(cycle.owned)
         cycle.claimed = cycle.keys if owned.size == len(cycle.keys) else pick(cycle.keys, owned)
 
-    def release(self, cycle: Cycle) -> None:
+    async def release(self, cycle: Cycle) -> None:
         """Drop ``cycle``'s claims and publish its outcomes to the requests waiting on them."""
         claims = self._owner
-        for key in cycle.claimed:
-            del claims[key]
+        clock = LoopSlice()
+        for part in pieces(len(cycle.claimed)):
+            for key in cycle.claimed[part]:
+                del claims[key]
+            await clock.tick()
         cycle.publish()

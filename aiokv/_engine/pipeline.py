@@ -71,7 +71,7 @@ class BatchPipeline:
             logger.exception("aiokv: a batch of %d requests failed unexpectedly", len(batch))
             self._fail_all(batch, AiokvError(f"internal error in the dispatcher: {exc!r}"), exc)
         finally:
-            self._claims.release(cycle)
+            await self._claims.release(cycle)
         await self._settle(batch)
 
     async def run_lookups(self, batch: list[Request]) -> None:
