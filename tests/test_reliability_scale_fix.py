@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import threading
 import time
 from collections.abc import Awaitable, Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from aiokv import KVWorker, MemoryBackend
 from aiokv.backends.base import MIN_SPLIT_BYTES, Regions, keys_per_call
+from aiokv.bench import cli as bench_cli
 from aiokv.keys import HashedPrompt
 from aiokv.testing import GroupCache, same_blocks
 
@@ -170,3 +173,21 @@ async def test_one_large_store_runs_its_copies_on_both_transfer_threads_and_stor
         loaded = await asyncio.wait_for(worker.load(tokens, [np.arange(chunks, 2 * chunks)]), 30)
         assert loaded.loaded_chunks == chunks
         assert same_blocks(cache, np.arange(chunks), cache, np.arange(chunks, 2 * chunks))
+
+
+def test_bench_scale_reports_both_workloads_against_both_baselines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    json_path = tmp_path / "scale.json"
+    argv = ["scale", "--requests", "50", "--prompt-tokens", "1600", "--rounds", "1", "--json", str(json_path)]
+    assert bench_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "loop stalls at scale" in out and "lag max / direct" in out
+    report = json.loads(json_path.read_text())
+    assert report["parameters"]["keys"] == 100
+    paths = {(f["workload"], f["path"]) for f in report["figures"]}
+    assert paths == {(w, p) for w in ("many requests", "long prompt") for p in ("worker", "direct", "idle")}
+    for figures in report["figures"]:
+        assert figures["lag_max_ms"] >= figures["lag_p99_ms"] and figures["wall_ms"] > 0
+        assert figures["lookups"] >= 1 and figures["lookup_max_ms"] > 0
+    assert set(report["ratios"]) == {"many requests", "long prompt"}
