@@ -135,6 +135,7 @@ class KVWorker:
                 traits.max_regions_per_call if max_regions_per_call is None else max_regions_per_call,
                 "max_regions_per_call",
             ),
+            transfer_threads=self._threads,
             pressure_backoff_s=backoff_s,
         )
         self._ids = itertools.count(1)

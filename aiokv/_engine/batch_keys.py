@@ -4,7 +4,6 @@ and the outcome of each store key (shared with every request that has it)."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -13,8 +12,7 @@ import numpy as np
 
 from .._arrays import IntArray
 from ..codes import Code
-
-YIELD_EVERY_KEYS = 2048  # per-key bookkeeping done between yields to the loop
+from .slices import LoopSlice, pieces
 
 
 @dataclass(eq=False, slots=True)
@@ -36,11 +34,11 @@ class Cycle:
     def new(cls) -> Cycle:
         return cls(outcomes_ready=asyncio.get_running_loop().create_future())
 
-    def outcome_of(self, keys: Sequence[str]) -> IntArray:
+    async def outcome_of(self, keys: Sequence[str]) -> IntArray:
+        """The outcome of each of ``keys`` (keys of this batch), built in slices."""
         if self._index is None:  # only batches that other requests wait on need it
-            self._index = {k: i for i, k in enumerate(self.keys)}
-        index = self._index
-        return self.outcome[np.fromiter((index[k] for k in keys), dtype=np.int64, count=len(keys))]
+            self._index = await index_of(self.keys)
+        return self.outcome[await positions_in(self._index, keys)]
 
     def set_keys(self, keys: list[str]) -> None:
         self.keys = keys
@@ -56,8 +54,13 @@ class Cycle:
 
 async def assign_positions(cycle: Cycle, per_request_keys: list[list[list[str]]]) -> list[list[IntArray]]:
     """Fill ``cycle``'s unique keys; return, per request and group, each key's position in them."""
+    clock = LoopSlice()
     every_key = [keys for request_keys in per_request_keys for keys in request_keys]
-    unique = dict.fromkeys(itertools.chain.from_iterable(every_key))
+    unique: dict[str, None] = {}
+    for keys in every_key:
+        for part in pieces(len(keys)):
+            unique.update(dict.fromkeys(keys[part]))
+            await clock.tick()
     cycle.set_keys(list(unique))
     positions: list[list[IntArray]] = []
     if len(unique) == sum(map(len, every_key)):
@@ -69,14 +72,32 @@ async def assign_positions(cycle: Cycle, per_request_keys: list[list[list[str]]]
                 mine.append(np.arange(offset, offset + len(keys), dtype=np.int64))
                 offset += len(keys)
             positions.append(mine)
+            await clock.tick()
         return positions
-    index = {k: i for i, k in enumerate(cycle.keys)}
+    index = await index_of(cycle.keys)
     for request_keys in per_request_keys:
-        positions.append(
-            [np.fromiter((index[k] for k in keys), dtype=np.int64, count=len(keys)) for keys in request_keys]
-        )
-        await asyncio.sleep(0)
+        positions.append([await positions_in(index, keys) for keys in request_keys])
     return positions
+
+
+async def index_of(keys: list[str]) -> dict[str, int]:
+    """``{key: its position}``, built in slices."""
+    clock = LoopSlice()
+    index: dict[str, int] = {}
+    for part in pieces(len(keys)):
+        index.update(zip(keys[part], range(part.start, part.stop), strict=False))
+        await clock.tick()
+    return index
+
+
+async def positions_in(index: dict[str, int], keys: Sequence[str]) -> IntArray:
+    """The position of each of ``keys`` in ``index``, in slices."""
+    clock = LoopSlice()
+    found = np.empty(len(keys), dtype=np.int64)
+    for part in pieces(len(keys)):
+        found[part] = [index[k] for k in keys[part]]
+        await clock.tick()
+    return found
 
 
 def pick(items: Sequence[str], index: IntArray) -> list[str]:

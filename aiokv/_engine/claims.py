@@ -4,12 +4,11 @@ takes that batch's outcome for it."""
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 
-from .batch_keys import YIELD_EVERY_KEYS, Cycle, pick
+from .batch_keys import Cycle, pick
 from .request import Request, Wait
+from .slices import LoopSlice, pieces
 
 
 class Claims:
@@ -21,10 +20,13 @@ class Claims:
     async def claim(self, cycle: Cycle, stores: list[Request]) -> None:
         """Claim the store keys nobody claimed; add a Wait for the others."""
         claims = self._owner
-        done_keys = 0
+        clock = LoopSlice()
         for request in stores:
             for group, keys in enumerate(request.keys):
-                owners = [claims.setdefault(k, cycle) for k in keys]
+                owners: list[Cycle] = []
+                for part in pieces(len(keys)):
+                    owners += [claims.setdefault(k, cycle) for k in keys[part]]
+                    await clock.tick()
                 if owners.count(cycle) == len(owners):
                     cycle.owned[request.positions[group]] = True
                     continue
@@ -33,15 +35,16 @@ class Claims:
                 for other in {id(o): o for o in owners if o is not cycle}.values():
                     mine = np.flatnonzero([o is other for o in owners])
                     request.waits.append(Wait(other, group, mine, [keys[i] for i in mine.tolist()]))
-            done_keys += request.num_chunks * len(request.keys)
-            if done_keys >= YIELD_EVERY_KEYS:
-                done_keys = 0
-                await asyncio.sleep(0)
-        cycle.claimed = pick(cycle.keys, np.flatnonzero(cycle.owned))
+            await clock.tick()
+        owned = np.flatnonzero(cycle.owned)
+        cycle.claimed = cycle.keys if owned.size == len(cycle.keys) else pick(cycle.keys, owned)
 
-    def release(self, cycle: Cycle) -> None:
+    async def release(self, cycle: Cycle) -> None:
         """Drop ``cycle``'s claims and publish its outcomes to the requests waiting on them."""
         claims = self._owner
-        for key in cycle.claimed:
-            del claims[key]
+        clock = LoopSlice()
+        for part in pieces(len(cycle.claimed)):
+            for key in cycle.claimed[part]:
+                del claims[key]
+            await clock.tick()
         cycle.publish()

@@ -17,6 +17,7 @@ class EngineConfig:
     prefixes: tuple[str, ...]  # per group: the key prefix (namespace, fingerprint, group)
     blocks_per_chunk: tuple[int, ...]  # per group
     max_regions_per_call: int  # effective: the worker's argument, else the backend's, else the default
+    transfer_threads: int  # the worker's executor_threads: large moves are split across them
     pressure_backoff_s: float  # how long stores pause after the store answered "full"
 
     @property

@@ -1,21 +1,22 @@
-"""Step 1 of a batch: chunk digests of the prompts that came as token ids, in short slices with a
-yield to the loop between them, so the loop never stalls on a long prompt."""
+"""Step 1 of a batch: chunk digests of the prompts that came as token ids, in short slices, with a
+yield to the loop whenever the batch's time slice is used up (:class:`.slices.LoopSlice`), so the loop
+stalls neither on a long prompt nor on thousands of short ones."""
 
 from __future__ import annotations
-
-import asyncio
 
 import numpy as np
 
 from ..errors import InvalidRequestError
 from ..keys import chain_digests, digests_to_hex, token_bytes
 from .request import Request
+from .slices import LoopSlice
 from .tracker import RequestTracker
 
-# Tokens hashed between yields to the loop (~0.5 ms): a Python list also pays its conversion to an
-# array, about 3x the hashing, so it gets smaller slices.
+# Tokens hashed per piece (~0.5 ms) between checks of the slice clock: a Python list also pays its
+# conversion to an array, about 3x the hashing, so it gets smaller pieces.
 HASH_SLICE_TOKENS_ARRAY = 49152
 HASH_SLICE_TOKENS_LIST = 16384
+HASH_SLICE_CHUNKS = 1024  # short chunks: each digest costs ~1.5 us whatever its length
 
 
 async def hash_prompts(
@@ -24,23 +25,26 @@ async def hash_prompts(
     """Set ``hashes`` of every unfinished request that has tokens; a bad token value fails only its
     request."""
     c = chunk_tokens
+    clock = LoopSlice()
     for request in requests:
+        await clock.tick()
         if request.hashes is not None or request.finished:
             continue
         tokens = request.tokens
-        digests: list[bytes] = []
+        hashes: list[str] = []
         previous = seed
         slice_tokens = HASH_SLICE_TOKENS_ARRAY if isinstance(tokens, np.ndarray) else HASH_SLICE_TOKENS_LIST
-        per_slice = max(1, slice_tokens // c)
+        per_slice = max(1, min(slice_tokens // c, HASH_SLICE_CHUNKS))
         try:
             for first in range(0, request.num_chunks, per_slice):
                 count = min(per_slice, request.num_chunks - first)
                 data = token_bytes(tokens[first * c : (first + count) * c])  # type: ignore[index]
-                digests += chain_digests(data, 4 * c, count, previous)
+                digests = chain_digests(data, 4 * c, count, previous)
+                hashes += digests_to_hex(digests)
                 previous = digests[-1]
-                await asyncio.sleep(0)
+                await clock.tick()
         except (TypeError, ValueError) as exc:
             tracker.fail(request, InvalidRequestError(f"{request.kind.value} #{request.id}: {exc}"))
             continue
-        request.hashes = digests_to_hex(digests)
+        request.hashes = hashes
         request.tokens = None

@@ -13,12 +13,12 @@
    them (:mod:`.confirm`); the tracker settles every request (:mod:`.tracker`).
 
 The bookkeeping is vectorised over chunks: per key only hashing, string building and one dict
-operation or two happen in Python.
+operation or two happen in Python. Every per-request or per-key loop yields to the loop within a
+bounded slice (:mod:`.slices`), whether the batch holds 10,000 requests or a 62,500-key prompt.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 
 import numpy as np
@@ -29,7 +29,7 @@ from ..errors import AiokvError, BackendError
 from ..stats import Kind, Op, WorkerStats
 from .answers import batch_error
 from .backoff import PressureBackoff
-from .batch_keys import YIELD_EVERY_KEYS, Cycle, assign_positions
+from .batch_keys import Cycle, assign_positions
 from .claims import Claims
 from .config import EngineConfig
 from .confirm import WriteConfirmation
@@ -38,6 +38,7 @@ from .lanes import Lane, Lanes
 from .plan import Plan, decide
 from .request import Request
 from .rewrite import Rewrites
+from .slices import LoopSlice, pieces
 from .tracker import RequestTracker
 from .transfer import GroupTransfer, all_settled
 from .unreadable import UnreadableKeys
@@ -86,7 +87,7 @@ class BatchPipeline:
             logger.exception("aiokv: a batch of %d requests failed unexpectedly", len(batch))
             self._fail_all(batch, AiokvError(f"internal error in the dispatcher: {exc!r}"), exc)
         finally:
-            self._claims.release(cycle)
+            await self._claims.release(cycle)
         await self._settle(batch)
 
     async def _move(self, cycle: Cycle, plan: Plan) -> None:
@@ -99,7 +100,9 @@ class BatchPipeline:
             present = await self._exists(cycle, live)
             if present is None:
                 return
+            clock = LoopSlice()
             for request in live:
+                await clock.tick()
                 if not request.finished:
                     request.codes = [present[p].astype(np.int64) for p in request.positions]
                     self._tracker.settle(request)
@@ -117,19 +120,21 @@ class BatchPipeline:
         config = self._config
         await hash_prompts(requests, config.chunk_tokens, config.seed, self._tracker)
         live = [r for r in requests if not r.finished]
-        done_keys = 0
+        clock = LoopSlice()
         for request in live:
             hashes = request.hashes
             if hashes is None:
                 raise AiokvError(f"request #{request.id} reached key building unhashed")
-            request.keys = [[prefix + h for h in hashes] for prefix in config.prefixes]
+            request.keys = []
+            for prefix in config.prefixes:
+                keys: list[str] = []
+                for part in pieces(len(hashes)):
+                    keys += [prefix + h for h in hashes[part]]
+                    await clock.tick()
+                request.keys.append(keys)
             request.codes = [
                 np.full(request.num_chunks, Code.PENDING, dtype=np.int64) for _ in config.prefixes
             ]
-            done_keys += request.num_chunks * config.groups
-            if done_keys >= YIELD_EVERY_KEYS:
-                done_keys = 0
-                await asyncio.sleep(0)
         positions = await assign_positions(cycle, [r.keys for r in live])
         for request, mine in zip(live, positions, strict=True):
             request.positions = mine
@@ -155,12 +160,15 @@ class BatchPipeline:
             return None
 
     async def _settle(self, batch: list[Request]) -> None:
-        """Resolve shared chunks from their writers' outcomes; settle every request."""
+        """Resolve shared chunks from their writers' outcomes; settle every request (the tracker settles
+        one request at a time; the slicing of a large batch is here)."""
+        clock = LoopSlice()
         for request in batch:
+            await clock.tick()
             if request.finished:
                 continue
             for wait in request.waits:
                 await wait.cycle.outcomes_ready
-                outcome = wait.cycle.outcome_of(wait.keys)
+                outcome = await wait.cycle.outcome_of(wait.keys)
                 request.codes[wait.group][wait.chunks] = np.where(outcome >= 0, Code.PRESENT, outcome)
             self._tracker.settle(request)

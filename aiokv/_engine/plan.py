@@ -3,7 +3,6 @@ skipped, a load stops at its first hole) and collect, per group, the rows of chu
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -12,8 +11,9 @@ import numpy as np
 from .._arrays import BoolArray, IntArray
 from ..codes import Code
 from ..stats import Kind, Op
-from .batch_keys import YIELD_EVERY_KEYS, Cycle
+from .batch_keys import Cycle
 from .request import Request, Wait
+from .slices import LoopSlice
 
 
 @dataclass(slots=True)
@@ -47,7 +47,7 @@ async def decide(
     """
     plan: Plan = [[] for _ in range(groups)]
     taken = np.zeros(present.size, dtype=bool)  # store keys given a writer in this batch
-    done_keys = 0
+    clock = LoopSlice()
     for request in live:
         if request.kind is Kind.STORE:
             _decide_store(
@@ -55,10 +55,7 @@ async def decide(
             )
         else:
             _decide_load(request, present, plan)
-        done_keys += request.num_chunks * groups
-        if done_keys >= YIELD_EVERY_KEYS:
-            done_keys = 0
-            await asyncio.sleep(0)
+        await clock.tick()
     return plan
 
 

@@ -1,10 +1,10 @@
 """Step 5 of a batch: region planning. One group's rows (chunks to move, of many requests) become
 backend calls of at most ``max_regions_per_call`` regions each (:func:`~aiokv.backends.base.keys_per_call`),
-so that no call holds the GIL for long while the binding converts its arguments."""
+so that no call holds the GIL for long while the binding converts its arguments, and a large move is
+spread over every transfer thread."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -13,8 +13,9 @@ from .._arrays import BoolArray, IntArray
 from ..backends.base import keys_per_call
 from ..layout import RegionBatch
 from ..stats import Op
-from .batch_keys import pick, pick_rows
+from .batch_keys import pick_rows
 from .plan import Rows
+from .slices import LoopSlice, pieces
 
 
 @dataclass(slots=True)
@@ -26,26 +27,32 @@ class GroupRows:
     plan_of_row: IntArray
     is_put: BoolArray  # per row
     keys: list[str]  # per row
+    blocks: IntArray  # per row: its block ids, for ``KVLayout.regions_for_chunks``
 
     @classmethod
-    def of(cls, plan: list[Rows], group: int) -> GroupRows:
-        lengths = np.fromiter((rows.chunks.size for rows in plan), dtype=np.int64, count=len(plan))
+    async def of(cls, plan: list[Rows], group: int) -> GroupRows:
+        """Built in slices: a plan can hold 10,000 entries, or one entry of 62,500 rows."""
+        clock = LoopSlice()
+        lengths = np.empty(len(plan), dtype=np.int64)
+        puts = np.empty(len(plan), dtype=bool)
+        keys: list[str] = []
+        blocks: list[IntArray] = []
+        for j, rows in enumerate(plan):
+            lengths[j] = rows.chunks.size
+            puts[j] = rows.op is Op.PUT
+            request_keys = rows.request.keys[group]
+            for part in pieces(rows.chunks.size):
+                keys += pick_rows(request_keys, rows.chunks[part])
+                await clock.tick()
+            blocks.append(rows.request.blocks[group][rows.chunks])
         offsets = np.zeros(len(plan) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         plan_of_row = np.repeat(np.arange(len(plan)), lengths)
-        is_put = np.array([rows.op is Op.PUT for rows in plan], dtype=bool)[plan_of_row]
-        keys = list(
-            itertools.chain.from_iterable(pick(rows.request.keys[group], rows.chunks) for rows in plan)
-        )
-        return cls(plan, offsets, plan_of_row, is_put, keys)
+        return cls(plan, offsets, plan_of_row, puts[plan_of_row], keys, np.concatenate(blocks))
 
     @property
     def size(self) -> int:
         return int(self.offsets[-1])
-
-    def block_matrix(self, group: int) -> IntArray:
-        """The block ids of every row, for ``KVLayout.regions_for_chunks``."""
-        return np.concatenate([rows.request.blocks[group][rows.chunks] for rows in self.plan])
 
 
 @dataclass(slots=True)
@@ -60,9 +67,14 @@ class Call:
 
 
 def split_calls(
-    group_rows: GroupRows, region_batches: list[RegionBatch], live_row: BoolArray, max_regions_per_call: int
+    group_rows: GroupRows,
+    region_batches: list[RegionBatch],
+    live_row: BoolArray,
+    max_regions_per_call: int,
+    threads: int,
 ) -> list[Call]:
-    """The calls moving every live row, puts and gets apart, each within ``max_regions_per_call``."""
+    """The calls moving every live row, puts and gets apart, each within ``max_regions_per_call``,
+    large moves spread over the ``threads`` transfer threads (:func:`keys_per_call`)."""
     calls: list[Call] = []
     for regions in region_batches:
         for op, wanted in ((Op.PUT, group_rows.is_put), (Op.GET, ~group_rows.is_put)):
@@ -73,7 +85,13 @@ def split_calls(
                 rows, addrs, sizes = regions.rows, regions.addrs, regions.sizes
             else:
                 rows, addrs, sizes = regions.rows[mask], regions.addrs[mask], regions.sizes[mask]
-            per_call = keys_per_call(max_regions_per_call, addrs.shape[1])
+            per_call = keys_per_call(
+                max_regions_per_call,
+                addrs.shape[1],
+                keys=rows.size,
+                total_bytes=int(sizes.sum()),
+                threads=threads,
+            )
             for start in range(0, rows.size, per_call):
                 part = slice(start, start + per_call)
                 rows_part = rows[part]

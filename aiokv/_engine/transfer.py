@@ -23,6 +23,7 @@ from .config import EngineConfig
 from .lanes import Admitted, Lane, Lanes
 from .plan import Rows
 from .regions import Call, GroupRows, split_calls
+from .slices import LoopSlice
 from .tracker import RequestTracker
 
 
@@ -46,21 +47,29 @@ class GroupTransfer:
     async def run(self, cycle: Cycle, group: int, plan: list[Rows]) -> None:
         """Rows are the chunks of ``plan`` back to back; calls write per-row codes into one array, so
         a call costs a few NumPy operations however many requests its rows belong to."""
-        rows = GroupRows.of(plan, group)
+        rows = await GroupRows.of(plan, group)
         row_codes = np.full(rows.size, Code.PENDING, dtype=np.int64)
         row_errors: list[tuple[IntArray, BaseException]] = []
         region_batches = await self._regions(rows, group, row_codes, row_errors)
-        alive = self._begin(cycle, plan)
-        calls = split_calls(rows, region_batches, alive[rows.plan_of_row], self._config.max_regions_per_call)
+        alive = await self._begin(cycle, plan)
+        config = self._config
+        live_rows = alive[rows.plan_of_row]
+        calls = split_calls(
+            rows, region_batches, live_rows, config.max_regions_per_call, config.transfer_threads
+        )
         await all_settled(self._call(call, rows, row_codes, row_errors) for call in calls)
+        clock = LoopSlice()
+        offsets = rows.offsets.tolist()
         for j, r in enumerate(plan):
+            await clock.tick()
             if alive[j]:
-                codes = row_codes[rows.offsets[j] : rows.offsets[j + 1]]
+                codes = row_codes[offsets[j] : offsets[j + 1]]
                 r.request.codes[group][r.chunks] = codes
                 if r.op is Op.PUT:
                     cycle.outcome[r.positions] = codes
         for failed_rows, error in row_errors:
             for j in np.unique(rows.plan_of_row[failed_rows]).tolist():
+                await clock.tick()
                 self._tracker.fail(plan[j].request, error)
 
     async def _regions(
@@ -72,9 +81,9 @@ class GroupTransfer:
     ) -> list[RegionBatch]:
         """The regions of every row (one ``regions_for_chunks`` call on the control lane); if that
         fails, every row fails with the error."""
-        matrix = rows.block_matrix(group)
         try:
-            return await self._lanes.run(Lane.CONTROL, self._config.layouts[group].regions_for_chunks, matrix)
+            regions_for_chunks = self._config.layouts[group].regions_for_chunks
+            return await self._lanes.run(Lane.CONTROL, regions_for_chunks, rows.blocks)
         except Exception as exc:
             error: AiokvError
             if isinstance(exc, WorkerClosedError):  # terminate() abandoned the computation
@@ -86,14 +95,17 @@ class GroupTransfer:
             row_errors.append((np.arange(row_codes.size), error))
             return []
 
-    def _begin(self, cycle: Cycle, plan: list[Rows]) -> BoolArray:
+    async def _begin(self, cycle: Cycle, plan: list[Rows]) -> BoolArray:
         """Per plan entry, whether its request may still be transferred. Requests cancelled while the
         regions were computed get no call (the chunks they were to write for others fail
         ``WRITER_CANCELLED``); each call asks again when a thread is free for it (:mod:`.admission`)."""
-        alive = np.array([self._tracker.plan_transfer(r.request) for r in plan], dtype=bool)
-        for r, ok in zip(plan, alive.tolist(), strict=True):
+        clock = LoopSlice()
+        alive = np.empty(len(plan), dtype=bool)
+        for j, r in enumerate(plan):
+            ok = alive[j] = self._tracker.plan_transfer(r.request)
             if not ok and r.op is Op.PUT:
                 cycle.outcome[r.positions] = Code.WRITER_CANCELLED
+            await clock.tick()
         return alive
 
     async def _call(

@@ -29,11 +29,15 @@ UNAVAILABLE: Final = int(Code.UNAVAILABLE)  # store unreachable (Mooncake RPC_FA
 
 # A binding converting this many (address, size) pairs holds the GIL ~1.5 ms (Mooncake, measured).
 DEFAULT_REGIONS_PER_CALL: Final = 16384
+# The least a call split across transfer threads moves: below it, one more call costs more than the
+# parallel copy saves (a call costs ~0.1-1 ms of bookkeeping; 4 MiB copies in about that).
+MIN_SPLIT_BYTES: Final = 4 << 20
 
 REQUIRED_METHODS: Final = ("register_buffer", "batch_exists", "batch_put", "batch_get", "close")
 
 __all__ = [
     "DEFAULT_REGIONS_PER_CALL",
+    "MIN_SPLIT_BYTES",
     "INVALID",
     "NOT_FOUND",
     "NO_SPACE",
@@ -142,7 +146,21 @@ def backend_traits(backend: Backend) -> BackendTraits:
     )
 
 
-def keys_per_call(max_regions_per_call: int, regions_per_key: int) -> int:
+def keys_per_call(
+    max_regions_per_call: int, regions_per_key: int, *, keys: int = 1, total_bytes: int = 0, threads: int = 1
+) -> int:
     """How many keys of ``regions_per_key`` regions one batch call carries: whole keys, at most
-    ``max_regions_per_call`` regions, and at least one key. The worker splits every call by this rule."""
-    return max(1, max_regions_per_call // max(1, regions_per_key))
+    ``max_regions_per_call`` regions, and at least one key. The worker splits every call by this rule.
+
+    A large move (``keys`` keys of ``total_bytes`` in all) is also cut into a whole number of rounds
+    over the ``threads`` transfer threads, when each call then still moves at least
+    :data:`MIN_SPLIT_BYTES`: the copies of one batch use every thread (backends copy with the GIL
+    released) instead of one call copying alone while the other threads idle.
+    """
+    per_call = max(1, max_regions_per_call // max(1, regions_per_key))
+    if threads > 1 and keys > 1:
+        calls = -(-keys // per_call)
+        balanced = -(-calls // threads) * threads
+        if total_bytes >= balanced * MIN_SPLIT_BYTES:
+            per_call = max(1, -(-keys // balanced))
+    return per_call

@@ -24,7 +24,7 @@ def kib(nbytes: int) -> str:
     return f"{nbytes / 1024:g} KiB" if nbytes >= 1024 else f"{nbytes} B"
 
 
-def _table(out: TextIO, headers: list[str], rows: list[list[str]], indent: str = "  ") -> None:
+def table(out: TextIO, headers: list[str], rows: list[list[str]], indent: str = "  ") -> None:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
 
     def line(cells: list[str]) -> str:
@@ -121,7 +121,7 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
             row.append(f"{s[vs_scalar]['best']:.0f}x" if vs_scalar else "")
             row.append(f"{s[vs_writeup]['best']:.1f}x" if vs_writeup else "")
         rows.append(row)
-    _table(out, ["implementation", "best ms", "median ms", "vs scalar", "vs write-up"], rows)
+    table(out, ["implementation", "best ms", "median ms", "vs scalar", "vs write-up"], rows)
 
     lag = report["loop_lag"]
     c = lag[0]["concurrency"]
@@ -134,7 +134,7 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
          _f(f["cpu_per_request_ms"]), _f(f["wall_ms"], 1)]
         for f in lag
     ]  # fmt: skip
-    _table(out, ["design", "tokens as", "lag p50 ms", "p99 ms", "max ms", "CPU/request ms", "wall ms"], rows)
+    table(out, ["design", "tokens as", "lag p50 ms", "p99 ms", "max ms", "CPU/request ms", "wall ms"], rows)
     ours = next(f for f in lag if f["design"] == "aiokv" and f["tokens_as"] == "list")
     theirs = next(f for f in lag if f["design"] != "aiokv")
     lag_ratio = theirs["lag_p99_ms"] / max(ours["lag_p99_ms"], 1e-9)
@@ -163,7 +163,7 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
             figures += [f["lag_p50_ms"], f["lag_p99_ms"], f["lag_max_ms"], f["cpu_per_request_ms"]]
             ratio = f"{level['ratio_best']:.3f}" if path == "worker" else ""
             rows.append([f"{level['op']} x{level['concurrency']}", path, *map(_f, figures), ratio])
-    _table(
+    table(
         out,
         ["op", "path", "wall ms", "median", "GB/s", "lag p50", "p99", "max", "CPU/req ms", "worker/direct"],
         rows,
@@ -183,7 +183,7 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
         state = "" if item["met"] is None else ("met" if item["met"] else "MISSED")
         value = f"{item['value']:.3f}{item['unit']}" if item["unit"] != "x" else f"{item['value']:.1f}x"
         rows.append([item["goal"], item["target"], value, state])
-    _table(out, ["goal", "target", "measured", ""], rows)
+    table(out, ["goal", "target", "measured", ""], rows)
     out.write(f"\nran in {report['seconds']:.1f} s\n")
 
 
