@@ -1,5 +1,6 @@
-"""The reliability tests' rig: one sentinel-filled two-group cache, a real MemoryBackend behind
-aiokv.testing's FaultInjectingBackend, and a block allocator that never reuses a block in a test."""
+"""The reliability tests' rig: one sentinel-filled two-group cache (or, :class:`OneGroupRig`, a
+single-group one), a real MemoryBackend behind aiokv.testing's FaultInjectingBackend, and a block
+allocator that never reuses a block in a test."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ from typing import Any
 
 import numpy as np
 
-from aiokv import KVLayout, KVWorker, MemoryBackend
+from aiokv import KVLayout, KVWorker, MemoryBackend, ThreadedKVWorker
 from aiokv.testing import SENTINEL, FaultInjectingBackend, PagedCache, chunk_value
 from tests.helpers import chunk_keys, read_value
 
 CHUNK = 8
 NAMESPACE = "reliability-model"
 # Two groups: 2 blocks per chunk in group 0, 1 in group 1; unequal block lengths in group 1.
-SPECS = [
+SPECS: list[dict[str, Any]] = [
     {"num_regions": 4, "num_blocks": 96, "block_size": 4, "block_lens": 32},
     {"num_regions": 2, "num_blocks": 48, "block_size": 8, "block_lens": [48, 16]},
 ]
@@ -90,3 +91,57 @@ def fault_keys(rig: Rig, tokens: np.ndarray, picks: Sequence[tuple[int, int]]) -
 
 def loop_tasks() -> set[str]:
     return {t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("aiokv")}
+
+
+# The single-group rig of the issue-10 argument and shutdown tests.
+ONE_GROUP_SPEC: dict[str, Any] = {"num_regions": 4, "num_blocks": 128, "block_size": 4, "block_lens": 32}
+ONE_GROUP_PER_CHUNK = CHUNK // ONE_GROUP_SPEC["block_size"]
+
+
+class OneGroupRig:
+    """One sentinel-filled single-group cache, a MemoryBackend behind a FaultInjectingBackend, and
+    block ids handed out once each (source blocks get random bytes, the others keep the sentinel)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.cache = PagedCache.allocate([ONE_GROUP_SPEC], fill=SENTINEL)
+        self.group = self.cache[0]
+        self.inner = MemoryBackend(capacity_bytes=16 << 20)
+        self.backend = FaultInjectingBackend(self.inner)
+        self._free = [int(b) for b in self.rng.permutation(ONE_GROUP_SPEC["num_blocks"])]
+
+    def worker(self, **options: Any) -> KVWorker:
+        options.setdefault("pressure_backoff_s", 0)
+        return KVWorker(self.cache.layouts, self.backend, namespace=NAMESPACE, chunk_tokens=CHUNK, **options)
+
+    def threaded(self, **options: Any) -> ThreadedKVWorker:
+        options.setdefault("pressure_backoff_s", 0)
+        return ThreadedKVWorker(
+            self.cache.layouts, self.backend, namespace=NAMESPACE, chunk_tokens=CHUNK, **options
+        )
+
+    def prompt(self, chunks: int) -> np.ndarray:
+        return self.rng.integers(0, 50_000, size=chunks * CHUNK, dtype=np.int64)
+
+    def blocks(self, chunks: int, *, source: bool) -> np.ndarray:
+        ids = np.array([self._free.pop() for _ in range(chunks * ONE_GROUP_PER_CHUNK)], dtype=np.int64)
+        if source:
+            for region in self.group.regions:
+                region[ids] = self.rng.integers(0, 256, size=(ids.size, region.shape[1]), dtype=np.uint8)
+        return ids
+
+    def keys(self, tokens: Any) -> list[str]:
+        return chunk_keys(np.asarray(tokens), CHUNK, self.group.layout, 0, NAMESPACE)
+
+    def chunk_bytes(self, ids: np.ndarray, chunk: int) -> bytes:
+        return chunk_value(self.group, ids[chunk * ONE_GROUP_PER_CHUNK : (chunk + 1) * ONE_GROUP_PER_CHUNK])
+
+    def assert_store_holds(self, tokens: Any, src: np.ndarray) -> None:
+        for c, key in enumerate(self.keys(tokens)):
+            want = self.chunk_bytes(src, c)
+            assert read_value(self.inner, key, len(want)) == want, f"chunk {c} lacks its source bytes"
+
+    def sent(self, op: str, tokens: np.ndarray) -> list[str]:
+        """The keys of ``tokens`` that reached the store in calls of ``op``."""
+        wanted = set(self.keys(tokens))
+        return [k for k in self.backend.sent_keys(op) if k in wanted]

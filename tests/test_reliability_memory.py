@@ -9,9 +9,7 @@ regions of a few dozen bytes, far below a KV block.
 
 from __future__ import annotations
 
-import gc
 import tracemalloc
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -22,21 +20,6 @@ MiB = 1 << 20
 CALL_BYTES = 64 * MiB
 KEYS = 64
 PEAK_FACTOR = 2.0  # the bound: extra peak memory <= 2x the bytes of the call
-
-
-@pytest.fixture(autouse=True)
-def no_cyclic_gc_until_teardown() -> Iterator[None]:
-    """No cyclic garbage collection from the test's start to its teardown, then one collection.
-
-    A test failing on a defect leaves requests whose finalisers log (an asyncio future's "exception
-    never retrieved"); run by the cyclic collector inside the ``ast.parse`` pytest uses to format the
-    failure, Python 3.11 raises SystemError there and aborts the whole session."""
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-        gc.collect()
 
 
 def _stride(block_len: int) -> int:
@@ -61,8 +44,7 @@ def _regions(base: int, misalign: int, block_len: int, count: int) -> tuple[np.n
 def test_memory_backend_temporaries_stay_within_twice_the_bytes_of_a_call(
     block_len: int, misalign: int
 ) -> None:
-    """A MemoryBackend put or get of 64 MiB allocates at most ~2x 64 MiB of temporaries, for any block
-    length and alignment, and moves the exact bytes."""
+    """A 64 MiB MemoryBackend put or get moves the exact bytes with at most ~2x 64 MiB of temporaries."""
     count = CALL_BYTES // block_len // KEYS * KEYS
     moved = count * block_len
     span = _stride(block_len) * count + 8192
