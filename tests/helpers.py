@@ -124,3 +124,14 @@ def assert_loaded(
     """Chunks ``[0, n)`` of ``dst_ids`` hold the bytes of the same chunks of ``src_ids``."""
     for g, per in enumerate(blocks_per_chunk(src)):
         assert same_blocks(src[g], src_ids[g][: n * per], dst[g], dst_ids[g][: n * per]), f"group {g}"
+
+
+def same_exception(raised: BaseException | None, template: BaseException) -> bool:
+    """Whether ``raised`` is a fault rule's firing of ``template``: rules raise a fresh copy each time
+    (same type, arguments and attributes), so identity is not the test."""
+    return (
+        raised is not None
+        and type(raised) is type(template)
+        and raised.args == template.args
+        and vars(raised) == vars(template)
+    )

@@ -49,6 +49,7 @@ from .helpers import (
     prompt,
     read_value,
     recording_backend,
+    same_exception,
     scattered,
     wait_until,
 )
@@ -479,7 +480,7 @@ async def test_a_backend_exception_fails_only_its_batch_with_a_chained_aiokv_err
         for future in failed:
             with pytest.raises(BackendError) as info:
                 await future
-            assert info.value.__cause__ is boom
+            assert same_exception(info.value.__cause__, boom)
             assert isinstance(info.value, AiokvError)
         assert backend.count(op) - calls_before == (1 if op == "exists" else len(SPECS))
         assert worker.stats()["backend_exceptions"] == {op: backend.count(op) - calls_before}
