@@ -36,7 +36,8 @@ from .mooncake_config import (
     MooncakeConfig,
     parse_size,
 )
-from .mooncake_replicas import ReplicaReader, replica_endpoints
+from .mooncake_extras import MooncakeExtras
+from .mooncake_replicas import ReplicaReader
 
 logger = logging.getLogger("aiokv.backends.mooncake")
 
@@ -113,14 +114,15 @@ def region_lists(table: RegionTable, rows: IntArray | None) -> tuple[list[list[i
 _region_lists = region_lists  # the name benchmarks/mooncake_conversion.py imports
 
 
-class MooncakeBackend:
+class MooncakeBackend(MooncakeExtras):
     """The backend protocol over a Mooncake distributed store client.
 
     ``config`` is a :class:`MooncakeConfig`, a dict, a JSON file path, or ``None`` to read the file
     named by ``MOONCAKE_CONFIG_PATH``. Construction connects to the master (blocking, tens of ms);
     :meth:`close` takes 1-2 s. Status codes pass through unchanged, except that ``-900``/``-1``
     (master unreachable) raise :class:`~aiokv.errors.BackendUnavailableError` naming the master.
-    A put of a key that already exists keeps the old value and reports 0.
+    A put of a key that already exists keeps the old value and reports 0. Beyond the protocol:
+    :class:`~.mooncake_extras.MooncakeExtras` (replica reads, leased lookups, ``health_check``).
     """
 
     # The binding converts ~12 us of Python ints per 96-region key while it holds the GIL
@@ -314,60 +316,6 @@ class MooncakeBackend:
         self._raise_if_unavailable("batch_remove", codes)
         return list(codes)
 
-    def read_from_replicas(self, keys: Sequence[str], addrs: Regions, sizes: Regions) -> list[int]:
-        """Read keys whose get failed (-800) straight from a complete memory replica, per key the bytes
-        read or a negative code, as :meth:`batch_get`. For the window after a replica's node died and
-        before the master drops it, when every get keeps choosing the dead replica
-        (:mod:`.mooncake_replicas`). A replica is read only when its size equals the sum of the key's
-        regions (else -600); keys with regions outside registered memory get -600 and reach no native
-        call. Needs ``metadata_server="P2PHANDSHAKE"``. Like a get it may block until Mooncake's
-        transfer timeout when a replica's node vanished without a reset (docs/cluster.md)."""
-        self._check_open()
-        rows, addr_lists, size_lists, codes = self._proven_regions("read_from_replicas", keys, addrs, sizes)
-        if not rows:
-            return codes
-        native_keys = [keys[k] for k in rows]
-        with self._native() as store:
-            reader = self._replicas()
-            reader.sync_memory(self._memory.spans())
-            descriptors = store.batch_get_replica_desc(native_keys)
-            native = reader.read(native_keys, descriptors, addr_lists, size_lists)
-        for k, code in zip(rows, native, strict=True):
-            codes[k] = code
-        return codes
-
-    def replica_endpoints(self, keys: Sequence[str]) -> dict[str, list[str]]:
-        """Per key, the transport endpoints of its memory replicas as the master lists them."""
-        self._check_open()
-        check_keys(keys)
-        with self._native() as store:
-            descriptors = store.batch_get_replica_desc(list(keys))
-        return replica_endpoints(descriptors, keys)
-
-    def health_check(self) -> int:
-        """Mooncake's client health: 0 healthy, 1 not initialised/closed, 2 master unreachable. Measured:
-        it still answers 0 with the master killed, so a probe must also make a master call
-        (``batch_exists``) before calling the store healthy."""
-        self._check_open()
-        with self._native() as store:
-            return int(store.health_check())
-
-    def batch_exists_leased(self, keys: Sequence[str]) -> list[bool]:
-        """Like :meth:`batch_exists`, and every present key gets the master's read lease
-        (``default_kv_lease_ttl``, 10 s by default) during which it is not evicted: a lookup made this way
-        keeps its chunks until the load (Mooncake's get session; ``batch_is_exist`` grants no lease)."""
-        self._check_open()
-        check_keys(keys)
-        if not len(keys):
-            return []
-        with self._native() as store:
-            codes = store.batch_get_session_start(list(keys))
-            # Drops only the client's cached replica lists; the master's lease stays.
-            store.batch_get_session_end(list(keys))
-        self._check_length("batch_get_session_start", codes, len(keys))
-        self._raise_if_unavailable("batch_get_session_start", codes)
-        return [code == 0 for code in codes]
-
     def __enter__(self) -> MooncakeBackend:
         return self
 
@@ -425,39 +373,6 @@ class MooncakeBackend:
         for k, code in zip(rows.tolist(), native, strict=True):
             codes[k] = code
         return codes
-
-    def _proven_regions(
-        self, call: str, keys: Sequence[str], addrs: Regions, sizes: Regions
-    ) -> tuple[list[int], list[list[int]], list[list[int]], list[int]]:
-        """The rows of keys whose regions all lie in registered memory, their region lists, and codes
-        with -600 for every other key (filled in by the caller for the proven rows)."""
-        check_keys(keys)
-        table = RegionTable.from_arguments(keys, addrs, sizes)
-        valid = self._memory.valid_keys(table)
-        rows = np.flatnonzero(valid)
-        codes = [int(Code.INVALID)] * table.num_keys
-        if rows.size < table.num_keys:
-            logger.warning(
-                "Mooncake %s: %d of %d keys have no regions or regions outside registered memory; "
-                "answered %d without calling Mooncake",
-                call,
-                table.num_keys - rows.size,
-                table.num_keys,
-                int(Code.INVALID),
-            )
-        if rows.size == 0:
-            return [], [], [], codes
-        addr_lists, size_lists = region_lists(table, None if rows.size == table.num_keys else rows)
-        return rows.tolist(), addr_lists, size_lists, codes
-
-    def _replicas(self) -> ReplicaReader:
-        with self._replica_lock:
-            if self._replica_reader is None:
-                cfg = self.config
-                self._replica_reader = ReplicaReader(
-                    cfg.local_hostname, cfg.metadata_server, cfg.protocol, cfg.device_name
-                )
-            return self._replica_reader
 
     def _check_open(self) -> None:
         if self._closed:
