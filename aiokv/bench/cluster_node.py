@@ -247,18 +247,21 @@ class Node:
         chunks = int(request["chunks"])
         failed = [k for k in range(chunks) if int(block_ids[k * self.blocks_per_chunk]) in failed_blocks]
         codes: list[int] = []
+        started = time.monotonic()
         if failed:
             keys = self.keys(request)
             addrs, sizes = self.direct_regions(request)
             codes = self.backend.read_from_replicas(
                 [keys[k] for k in failed], [addrs[k] for k in failed], [sizes[k] for k in failed]
             )
+        elapsed = time.monotonic() - started
         still = {k for k, code in zip(failed, codes, strict=True) if code < 0}
         leading = next((k for k in range(chunks) if k in still), chunks)
         return {
             "retried": len(failed),
             "recovered": len(failed) - len(still),
             "codes": codes,
+            "retry_s": elapsed,
             "loaded_tokens": leading * self.chunk_tokens,
             "failed_block_ids": [[b for k in sorted(still) for b in self.chunk_ids(block_ids, k).tolist()]],
         }

@@ -75,6 +75,8 @@ def test_reading_failed_chunks_from_the_live_replica_loses_nothing(cluster: Clus
     assert retry["retried"] > 0  # the store failed some chunks: the retry had something to prove
     assert retry["recovered"] == retry["retried"]
     assert retry["codes"] == [8 * 16 * 1024] * retry["retried"]  # 8 regions x one 16 KiB block each
+    recovered, retried, seconds = retry["recovered"], retry["retried"], retry["retry_s"]
+    print(f"read_from_replicas: {recovered} of {retried} failed chunks in {seconds:.3f} s")
     assert retry["loaded_tokens"] == CHUNKS * 16
     assert check_honest_load({**result, **retry}, TARGET) == list(range(CHUNKS))
 
