@@ -36,6 +36,8 @@ from .mooncake_config import (
     MooncakeConfig,
     parse_size,
 )
+from .mooncake_extras import MooncakeExtras
+from .mooncake_replicas import ReplicaReader
 
 logger = logging.getLogger("aiokv.backends.mooncake")
 
@@ -113,7 +115,7 @@ def region_lists(table: RegionTable, rows: IntArray | None) -> tuple[list[list[i
 _region_lists = region_lists  # the name benchmarks/mooncake_conversion.py imports
 
 
-class MooncakeBackend:
+class MooncakeBackend(MooncakeExtras):
     """The backend protocol over a Mooncake distributed store client.
 
     ``config`` is a :class:`MooncakeConfig`, a dict, a JSON file path, or ``None`` to read the file
@@ -121,7 +123,8 @@ class MooncakeBackend:
     :meth:`close` takes 1-2 s. Status codes pass through unchanged, except that ``-900``/``-1``
     (master unreachable) raise :class:`~aiokv.errors.BackendUnavailableError` naming the master.
     A put of a key that already exists (or that another client is still writing) keeps the old value
-    and reports 0; keys a put fails with -800 are put again up to :attr:`put_retries` times.
+    and reports 0; keys a put fails with -800 are put again up to :attr:`put_retries` times. Beyond the
+    protocol: :class:`~.mooncake_extras.MooncakeExtras` (replica reads, leased lookups, ``health_check``).
     """
 
     # The binding converts ~12 us of Python ints per 96-region key while it holds the GIL
@@ -153,6 +156,8 @@ class MooncakeBackend:
         self._in_flight = 0
         self._closed = False
         self._store: Any = None
+        self._replica_reader: ReplicaReader | None = None  # made on the first read_from_replicas
+        self._replica_lock = threading.Lock()
         store = store_class()
         started = time.monotonic()
         cfg = self.config
@@ -268,10 +273,13 @@ class MooncakeBackend:
                 while self._in_flight:
                     self._state.wait()
                 self._store = None
+                reader, self._replica_reader = self._replica_reader, None
             started = time.monotonic()
             rc = store.close()
             if rc != 0:
                 logger.warning("Mooncake close answered %s (%d)", code_name(rc), rc)
+            if reader is not None:
+                reader.close()
             logger.info("Mooncake client closed in %.1f s", time.monotonic() - started)
 
     # -- extras beyond the protocol -------------------------------------------------------------

@@ -14,11 +14,13 @@ load       fill the blocks with a sentinel, ``worker.load``, then judge every ch
 lookup     ``worker.lookup``
 direct     the same (address, size) pairs as the worker's, put or got by direct backend calls
 guarded_lookup  a lookup through the circuit-breaker prototype (:mod:`.guarded`); ``breaker``: its stats
-lookup_leased  like lookup, through ``batch_get_session_start`` (grants read leases)
-replicas   where the master places each chunk (``batch_get_replica_desc``): endpoints per key
+lookup_leased  like lookup, through ``backend.batch_exists_leased`` (grants read leases)
+replicas   where the master places each chunk (``backend.replica_endpoints``): endpoints per key
+replica_read  ``backend.read_from_replicas`` of the chunks (sentinel first, bytes judged); ``size_delta``
+           shrinks each chunk's last region, ``unregistered`` reads into memory never registered
 exists     ``backend.batch_exists`` of the prompt's keys
 remove     force-remove the prompt's keys (the worker's and the ``direct`` ones of ``tag``)
-health     the Mooncake client's ``health_check()``
+health     ``backend.health_check()``
 stats      ``worker.stats()``
 exit       close the worker and the client, then exit
 =========  =====================================================================================
@@ -95,7 +97,6 @@ class Node:
             close_backend=True,
             **config.get("worker", {}),
         )
-        self._replica_reader: Any = None
         self._guarded: Any = None
         self.guarded_breaker: Any = None
 
@@ -216,7 +217,9 @@ class Node:
         if op == "exists":
             return await loop.run_in_executor(None, self.backend.batch_exists, self.keys(request))
         if op == "health":
-            return await loop.run_in_executor(None, self.health)
+            return await loop.run_in_executor(None, self.backend.health_check)
+        if op == "replica_read":
+            return await loop.run_in_executor(None, self.replica_read, request)
         if op == "stats":
             return self.worker.stats()
         raise ValueError(f"unknown op {op!r}")
@@ -238,37 +241,51 @@ class Node:
         return {"transfer_s": elapsed, "failed": sum(1 for code in codes if code < 0)}
 
     def retry_failed(self, request: dict[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:
-        """Read the chunks the load failed from a live replica directly (:mod:`.replica_retry`)."""
-        if self._replica_reader is None:
-            from .replica_retry import ReplicaReader
-
-            spans = [(int(self.cache[r].ctypes.data), self.cache[r].nbytes) for r in range(self.regions)]
-            hostname = self.config["mooncake"]["local_hostname"]
-            self._replica_reader = ReplicaReader(self.backend._store, hostname, spans)
+        """Read the chunks the load failed from a live replica (``backend.read_from_replicas``)."""
         block_ids = request["block_ids"]
         failed_blocks = set(loaded["failed_block_ids"][0])
         chunks = int(request["chunks"])
         failed = [k for k in range(chunks) if int(block_ids[k * self.blocks_per_chunk]) in failed_blocks]
-        if not failed:
-            return {
-                "retried": 0,
-                "recovered": 0,
-                "loaded_tokens": loaded["loaded_tokens"],
-                "failed_block_ids": [[]],
-            }
-        keys = self.keys(request)
-        addrs, sizes = self.direct_regions(request)
-        codes = self._replica_reader.read(
-            [keys[k] for k in failed], [addrs[k] for k in failed], [sizes[k] for k in failed]
-        )
+        codes: list[int] = []
+        started = time.monotonic()
+        if failed:
+            keys = self.keys(request)
+            addrs, sizes = self.direct_regions(request)
+            codes = self.backend.read_from_replicas(
+                [keys[k] for k in failed], [addrs[k] for k in failed], [sizes[k] for k in failed]
+            )
+        elapsed = time.monotonic() - started
         still = {k for k, code in zip(failed, codes, strict=True) if code < 0}
         leading = next((k for k in range(chunks) if k in still), chunks)
         return {
             "retried": len(failed),
             "recovered": len(failed) - len(still),
+            "codes": codes,
+            "retry_s": elapsed,
             "loaded_tokens": leading * self.chunk_tokens,
             "failed_block_ids": [[b for k in sorted(still) for b in self.chunk_ids(block_ids, k).tolist()]],
         }
+
+    def replica_read(self, request: dict[str, Any]) -> dict[str, Any]:
+        """``read_from_replicas`` of every chunk of the prompt into ``block_ids`` (or, with
+        ``unregistered``, into a fresh array never registered), then each chunk's verdict."""
+        seed, chunks, block_ids = int(request["seed"]), int(request["chunks"]), request["block_ids"]
+        keys = self.keys(request)
+        addrs, sizes = self.direct_regions(request)
+        delta = int(request.get("size_delta", 0))
+        if delta:
+            sizes = [[*row[:-1], row[-1] - delta] for row in sizes]
+        if request.get("unregistered", False):
+            scratch = np.full(self.cache.shape, SENTINEL, dtype=np.uint8)
+            base, offset = int(self.cache.ctypes.data), int(scratch.ctypes.data)
+            addrs = [[addr - base + offset for addr in row] for row in addrs]
+            codes = self.backend.read_from_replicas(keys, addrs, sizes)
+            return {"codes": codes, "scratch_untouched": bool((scratch == SENTINEL).all())}
+        for chunk in range(chunks):
+            self.cache[:, self.chunk_ids(block_ids, chunk), :] = SENTINEL
+        codes = self.backend.read_from_replicas(keys, addrs, sizes)
+        verdicts, _ = self.judge(seed, chunks, block_ids)
+        return {"codes": codes, "verdicts": verdicts}
 
     def guarded(self) -> Any:
         """The breaker-guarded lookup path (:mod:`.guarded`), made on first use."""
@@ -277,33 +294,18 @@ class Node:
             from .guarded import GuardedLookups
 
             self.guarded_breaker = CircuitBreaker(BreakerConfig(**self.config.get("breaker", {})))
-            self._guarded = GuardedLookups(self.backend, self.guarded_breaker, self.health)
+            self._guarded = GuardedLookups(self.backend, self.guarded_breaker)
         return self._guarded
 
     def lookup_leased(self, keys: list[str]) -> int:
-        """Leading tokens present, asked with ``batch_get_session_start``: the master answers with the
-        replicas and grants each found key a read lease (default 10 s), during which it is not evicted."""
-        store = self.backend._store  # not in the Backend protocol
-        codes = store.batch_get_session_start(keys)
-        store.batch_get_session_end(keys)  # drops the client's cached replica list; the lease stays
-        leading = next((k for k, code in enumerate(codes) if code != 0), len(codes))
-        return leading * self.chunk_tokens
+        """Leading tokens present, asked so that each found key gets a read lease (default 10 s), during
+        which it is not evicted."""
+        present = self.backend.batch_exists_leased(keys)
+        return next((k for k, found in enumerate(present) if not found), len(present)) * self.chunk_tokens
 
     def replicas(self, keys: list[str]) -> dict[str, list[str]]:
-        """Endpoints holding each key's replicas, from the master (diagnostics; a private handle)."""
-        store = self.backend._store  # the descriptors are not in the Backend protocol
-        answer = store.batch_get_replica_desc(keys)
-        where: dict[str, list[str]] = {}
-        for key in keys:
-            where[key] = [
-                replica.get_memory_descriptor().buffer_descriptor.transport_endpoint
-                for replica in answer.get(key, [])
-                if replica.is_memory_replica()
-            ]
-        return where
-
-    def health(self) -> int:
-        return int(self.backend._store.health_check())  # not in the Backend protocol
+        """Endpoints holding each key's replicas, from the master (diagnostics)."""
+        return self.backend.replica_endpoints(keys)
 
 
 async def serve(config: dict[str, Any]) -> None:

@@ -4,14 +4,14 @@ It follows the contract in :mod:`aiokv.breaker` (docs/cluster.md, "Wiring the br
 the event loop before anything goes to an executor; ``on_call_started``/``on_call_finished`` around the
 backend call in its thread; a lookup never waits on a call once the breaker is open (a lookup holds no
 caller memory, so it may be answered while its call is still stuck); probes run on a thread of their
-own, one at a time, as ``health_check() == 0`` and a ``batch_exists`` that returns. The cluster tests use
-it to measure time to "no cache" and time to resume with the master frozen or killed.
+own, one at a time, as the backend's ``health_check() == 0`` and a ``batch_exists`` that returns. The
+cluster tests use it to measure time to "no cache" and time to resume with the master frozen or killed.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -23,10 +23,9 @@ PROBE_KEY = "aiokv-breaker-probe"
 class GuardedLookups:
     """``lookup(keys)`` -> leading keys present, answered 0 while the breaker is open."""
 
-    def __init__(self, backend: Any, breaker: CircuitBreaker, health: Callable[[], int]) -> None:
-        self._backend = backend
+    def __init__(self, backend: Any, breaker: CircuitBreaker) -> None:
+        self._backend = backend  # a MooncakeBackend: batch_exists and health_check
         self._breaker = breaker
-        self._health = health
         self._calls = ThreadPoolExecutor(2, thread_name_prefix="aiokv-guarded")
         self._probes = ThreadPoolExecutor(1, thread_name_prefix="aiokv-probe")
         self._probe: asyncio.Future[bool] | None = None
@@ -64,7 +63,7 @@ class GuardedLookups:
 
     def _run_probe(self) -> bool:
         try:
-            healthy = self._health() == 0
+            healthy = self._backend.health_check() == 0
             if healthy:
                 self._backend.batch_exists([PROBE_KEY])
         except Exception:

@@ -2,8 +2,9 @@
 
 Mooncake keeps reading the dead replica of every key placed there (-800) until the master drops the
 node (~10 s, its client_ttl). These tests measure that window, prove that reading the failed chunks from
-the live replica (replica descriptors + a direct TransferEngine read, aiokv.bench.replica_retry) loses
-nothing, and pin that the worker itself must do so (today it does not).
+the live replica (``MooncakeBackend.read_from_replicas``: replica descriptors + a direct TransferEngine
+read) loses nothing and refuses what it must, and pin that the worker itself must do so (today it does
+not).
 """
 
 from __future__ import annotations
@@ -73,14 +74,34 @@ def test_reading_failed_chunks_from_the_live_replica_loses_nothing(cluster: Clus
     retry = result["after_retry"]
     assert retry["retried"] > 0  # the store failed some chunks: the retry had something to prove
     assert retry["recovered"] == retry["retried"]
+    assert retry["codes"] == [8 * 16 * 1024] * retry["retried"]  # 8 regions x one 16 KiB block each
+    recovered, retried, seconds = retry["recovered"], retry["retried"], retry["retry_s"]
+    print(f"read_from_replicas: {recovered} of {retried} failed chunks in {seconds:.3f} s")
     assert retry["loaded_tokens"] == CHUNKS * 16
     assert check_honest_load({**result, **retry}, TARGET) == list(range(CHUNKS))
+
+
+def test_replica_reads_after_a_kill_give_the_right_bytes_and_refuse_what_they_must(cluster: Cluster) -> None:
+    client = lose_one_replica(cluster)
+    chunk_bytes = 8 * 16 * 1024
+    # Every chunk, also the ones whose get fails right now: read from whichever replica is alive.
+    read = client.result("replica_read", seed=9, chunks=CHUNKS, block_ids=TARGET)
+    assert read["codes"] == [chunk_bytes] * CHUNKS
+    assert read["verdicts"] == ["ok"] * CHUNKS
+    # Regions one byte short of the value: refused per chunk (-600), nothing written.
+    short = client.result("replica_read", seed=9, chunks=CHUNKS, block_ids=TARGET, size_delta=1)
+    assert short["codes"] == [-600] * CHUNKS
+    assert short["verdicts"] == ["untouched"] * CHUNKS
+    # Memory never registered: refused before any native call, nothing written.
+    wild = client.result("replica_read", seed=9, chunks=CHUNKS, block_ids=TARGET, unregistered=True)
+    assert wild == {"codes": [-600] * CHUNKS, "scratch_untouched": True}
+    assert client.result("health") == 0  # the node keeps serving
 
 
 @pytest.mark.xfail(
     strict=True,
     reason="core: the worker does not yet re-read chunks that failed -800 from another replica "
-    "(see aiokv.bench.replica_retry and docs/cluster.md); until the master notices, they are lost",
+    "(MooncakeBackend.read_from_replicas, docs/cluster.md); until the master notices, they are lost",
 )
 def test_worker_load_loses_no_prefix_when_a_replica_node_dies(cluster: Cluster) -> None:
     client = lose_one_replica(cluster)

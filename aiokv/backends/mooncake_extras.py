@@ -1,0 +1,128 @@
+"""What :class:`~aiokv.backends.mooncake.MooncakeBackend` offers beyond the Backend protocol: reads
+straight from a replica (for the window after a replica's node died), lookups that grant read leases,
+replica endpoints and the client's health. Each refuses a closed backend and proves every local region
+inside registered memory before any native call, like the protocol's calls (docs/backends.md, "Beyond
+the protocol").
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..codes import Code
+from ._regions import Regions, RegionTable, RegisteredMemory, check_keys
+from .mooncake_config import MooncakeConfig
+from .mooncake_replicas import ReplicaReader, replica_endpoints
+
+logger = logging.getLogger("aiokv.backends.mooncake")
+
+
+class MooncakeExtras:
+    """Mixed into ``MooncakeBackend``, whose state and guards these methods use."""
+
+    if TYPE_CHECKING:
+        config: MooncakeConfig
+        _memory: RegisteredMemory
+        _replica_reader: ReplicaReader | None
+        _replica_lock: threading.Lock
+
+        def _check_open(self) -> None: ...
+        def _native(self) -> AbstractContextManager[Any]: ...
+        @staticmethod
+        def _check_length(call: str, codes: Sequence[int], expected: int) -> None: ...
+        def _raise_if_unavailable(self, call: str, codes: Sequence[int]) -> None: ...
+
+    def read_from_replicas(self, keys: Sequence[str], addrs: Regions, sizes: Regions) -> list[int]:
+        """Read keys whose get failed (-800) straight from a complete memory replica, per key the bytes
+        read or a negative code, as :meth:`batch_get`. For the window after a replica's node died and
+        before the master drops it, when every get keeps choosing the dead replica
+        (:mod:`.mooncake_replicas`). A replica is read only when its size equals the sum of the key's
+        regions (else -600); keys with regions outside registered memory get -600 and reach no native
+        call. Needs ``metadata_server="P2PHANDSHAKE"``. Like a get it may block until Mooncake's
+        transfer timeout when a replica's node vanished without a reset (docs/cluster.md)."""
+        self._check_open()
+        rows, addr_lists, size_lists, codes = self._proven_regions("read_from_replicas", keys, addrs, sizes)
+        if not rows:
+            return codes
+        native_keys = [keys[k] for k in rows]
+        with self._native() as store:
+            reader = self._replicas()
+            reader.sync_memory(self._memory.spans())
+            descriptors = store.batch_get_replica_desc(native_keys)
+            native = reader.read(native_keys, descriptors, addr_lists, size_lists)
+        for k, code in zip(rows, native, strict=True):
+            codes[k] = code
+        return codes
+
+    def replica_endpoints(self, keys: Sequence[str]) -> dict[str, list[str]]:
+        """Per key, the transport endpoints of its memory replicas as the master lists them."""
+        self._check_open()
+        check_keys(keys)
+        with self._native() as store:
+            descriptors = store.batch_get_replica_desc(list(keys))
+        return replica_endpoints(descriptors, keys)
+
+    def health_check(self) -> int:
+        """Mooncake's client health: 0 healthy, 1 not initialised/closed, 2 master unreachable. Measured:
+        it still answers 0 with the master killed, so a probe must also make a master call
+        (``batch_exists``) before calling the store healthy."""
+        self._check_open()
+        with self._native() as store:
+            return int(store.health_check())
+
+    def batch_exists_leased(self, keys: Sequence[str]) -> list[bool]:
+        """Like :meth:`batch_exists`, and every present key gets the master's read lease
+        (``default_kv_lease_ttl``, 10 s by default) during which it is not evicted: a lookup made this way
+        keeps its chunks until the load (Mooncake's get session; ``batch_is_exist`` grants no lease)."""
+        self._check_open()
+        check_keys(keys)
+        if not len(keys):
+            return []
+        with self._native() as store:
+            codes = store.batch_get_session_start(list(keys))
+            # Drops only the client's cached replica lists; the master's lease stays.
+            store.batch_get_session_end(list(keys))
+        self._check_length("batch_get_session_start", codes, len(keys))
+        self._raise_if_unavailable("batch_get_session_start", codes)
+        return [code == 0 for code in codes]
+
+    def _proven_regions(
+        self, call: str, keys: Sequence[str], addrs: Regions, sizes: Regions
+    ) -> tuple[list[int], list[list[int]], list[list[int]], list[int]]:
+        """The rows of keys whose regions all lie in registered memory, their region lists, and codes
+        with -600 for every other key (filled in by the caller for the proven rows)."""
+        check_keys(keys)
+        table = RegionTable.from_arguments(keys, addrs, sizes)
+        valid = self._memory.valid_keys(table)
+        rows = np.flatnonzero(valid)
+        codes = [int(Code.INVALID)] * table.num_keys
+        if rows.size < table.num_keys:
+            logger.warning(
+                "Mooncake %s: %d of %d keys have no regions or regions outside registered memory; "
+                "answered %d without calling Mooncake",
+                call,
+                table.num_keys - rows.size,
+                table.num_keys,
+                int(Code.INVALID),
+            )
+        if rows.size == 0:
+            return [], [], [], codes
+        from .mooncake import region_lists  # here: mooncake.py imports this module
+
+        addr_lists, size_lists = region_lists(table, None if rows.size == table.num_keys else rows)
+        return rows.tolist(), addr_lists, size_lists, codes
+
+    def _replicas(self) -> ReplicaReader:
+        with self._replica_lock:
+            if self._replica_reader is None:
+                cfg = self.config
+                self._replica_reader = ReplicaReader(
+                    cfg.local_hostname, cfg.metadata_server, cfg.protocol, cfg.device_name
+                )
+            return self._replica_reader
