@@ -33,6 +33,7 @@ class Op(enum.StrEnum):
     EXISTS = "exists"
     PUT = "put"
     GET = "get"
+    REPLICA_GET = "replica_get"  # gets that failed -800 read again from another replica
 
 
 DIRECTIONS = (Op.PUT, Op.GET)

@@ -5,7 +5,7 @@ written back into the requests and the batch's shared outcomes."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,7 @@ from .config import EngineConfig
 from .lanes import Admitted, Lane, Lanes
 from .plan import Rows
 from .regions import Call, GroupRows, split_calls
+from .replicas import RetryingGet, monotonic_deadline, replica_reader
 from .slices import LoopSlice
 from .tracker import RequestTracker
 
@@ -119,6 +120,7 @@ class GroupTransfer:
         requests still going then; its answer becomes codes as it arrives, so the loop never handles
         all calls at once."""
         admission: Admission | None = None
+        retrying: RetryingGet | None = None
 
         def gate() -> Admitted[object] | None:
             nonlocal admission
@@ -129,7 +131,15 @@ class GroupTransfer:
                 return None
             self._stats.backend_calls[going.op] += 1
             backend = self._config.backend
-            method = backend.batch_put if going.op is Op.PUT else backend.batch_get
+            method: Callable[[Sequence[str], Any, Any], Any] = (
+                backend.batch_put if going.op is Op.PUT else backend.batch_get
+            )
+            read = replica_reader(backend) if going.op is Op.GET else None
+            if read is not None:
+                nonlocal retrying
+                whens = [r.deadline_handle.when() for r in requests if r.deadline_handle is not None]
+                loop_now = asyncio.get_running_loop().time()
+                method = retrying = RetryingGet(method, read, monotonic_deadline(whens, loop_now))
             return (
                 lambda: method(going.keys, going.addrs, going.sizes),
                 lambda: self._tracker.end_call(requests),
@@ -147,6 +157,8 @@ class GroupTransfer:
         if admission is None or admission.call is None:
             return
         went = admission.call
+        if retrying is not None and retrying.retried:
+            self._stats.backend_calls[Op.REPLICA_GET] += 1
         codes, error = answer_codes(went.op, went.keys, went.sizes, answer, self._stats, self._backoff)
         row_codes[went.rows] = codes
         if error is not None:

@@ -12,7 +12,8 @@ fill       write the prompt's bytes into the blocks (replies their digests)
 store      fill the blocks with the prompt's bytes, then ``worker.store``; ``fill: false`` skips it
 load       fill the blocks with a sentinel, ``worker.load``, then judge every chunk's bytes
 lookup     ``worker.lookup``
-direct     the same (address, size) pairs as the worker's, put or got by direct backend calls
+direct     the same (address, size) pairs as the worker's, put or got by direct backend calls (on keys
+           of their own, or the worker's with ``worker_keys``)
 guarded_lookup  a lookup through the circuit-breaker prototype (:mod:`.guarded`); ``breaker``: its stats
 lookup_leased  like lookup, through ``backend.batch_exists_leased`` (grants read leases)
 replicas   where the master places each chunk (``backend.replica_endpoints``): endpoints per key
@@ -188,8 +189,6 @@ class Node:
                 "errors": {str(k): v for k, v in loaded.errors.items()},
                 "transfer_s": transfer_s,
             }
-            if request.get("replica_retry", False):
-                reply["after_retry"] = await loop.run_in_executor(None, self.retry_failed, request, reply)
             if request.get("verify", True):
                 reply["verdicts"], reply["digests"] = self.judge(seed, chunks, block_ids)
             return reply
@@ -229,7 +228,7 @@ class Node:
         if request.get("fill", False):
             self.fill(int(request["seed"]), int(request["chunks"]), request["block_ids"])
         addrs, sizes = self.direct_regions(request)
-        keys = self.direct_keys(request)
+        keys = self.keys(request) if request.get("worker_keys", False) else self.direct_keys(request)
         per_call = max(1, int(self.backend.max_regions_per_call) // max(1, len(addrs[0]) if addrs else 1))
         call = self.backend.batch_put if request["direct_op"] == "put" else self.backend.batch_get
         codes: list[int] = []
@@ -239,32 +238,6 @@ class Node:
             codes.extend(call(keys[part], addrs[part], sizes[part]))
         elapsed = time.monotonic() - started
         return {"transfer_s": elapsed, "failed": sum(1 for code in codes if code < 0)}
-
-    def retry_failed(self, request: dict[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:
-        """Read the chunks the load failed from a live replica (``backend.read_from_replicas``)."""
-        block_ids = request["block_ids"]
-        failed_blocks = set(loaded["failed_block_ids"][0])
-        chunks = int(request["chunks"])
-        failed = [k for k in range(chunks) if int(block_ids[k * self.blocks_per_chunk]) in failed_blocks]
-        codes: list[int] = []
-        started = time.monotonic()
-        if failed:
-            keys = self.keys(request)
-            addrs, sizes = self.direct_regions(request)
-            codes = self.backend.read_from_replicas(
-                [keys[k] for k in failed], [addrs[k] for k in failed], [sizes[k] for k in failed]
-            )
-        elapsed = time.monotonic() - started
-        still = {k for k, code in zip(failed, codes, strict=True) if code < 0}
-        leading = next((k for k in range(chunks) if k in still), chunks)
-        return {
-            "retried": len(failed),
-            "recovered": len(failed) - len(still),
-            "codes": codes,
-            "retry_s": elapsed,
-            "loaded_tokens": leading * self.chunk_tokens,
-            "failed_block_ids": [[b for k in sorted(still) for b in self.chunk_ids(block_ids, k).tolist()]],
-        }
 
     def replica_read(self, request: dict[str, Any]) -> dict[str, Any]:
         """``read_from_replicas`` of every chunk of the prompt into ``block_ids`` (or, with
