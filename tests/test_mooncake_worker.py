@@ -150,6 +150,34 @@ async def test_round_trip_two_groups_scattered_blocks(
 
 
 @pytest.mark.asyncio
+async def test_concurrent_loads_of_one_prompt_into_different_blocks_each_get_every_byte(
+    mooncake_backend: MooncakeBackend, src: PagedCache, dst: PagedCache
+) -> None:
+    """Loads of the same prompt into other blocks, in one batch, each get the stored bytes (Mooncake
+    fills only the last buffer of a key repeated within one batch get, answering success for all)."""
+    ns, chunks, copies = namespace(), 3, 3
+    tokens = prompt(7, chunks)
+    src_ids = scattered(src, chunks, seed=8)
+    everything = scattered(dst, copies * chunks, seed=9)  # disjoint destinations
+    dst_ids = [
+        [
+            ids[r * chunks * per : (r + 1) * chunks * per]
+            for ids, per in zip(everything, blocks_per_chunk(dst), strict=True)
+        ]
+        for r in range(copies)
+    ]
+    async with make_worker(src, mooncake_backend, ns) as worker:
+        assert (await worker.store(tokens, src_ids)).stored == chunks
+    async with make_worker(dst, mooncake_backend, ns) as worker:
+        futures = [worker.load(tokens, ids) for ids in dst_ids]  # queued together: one batch
+        results = await asyncio.wait_for(asyncio.gather(*futures), HANG_GUARD_S)
+        assert worker.stats()["batches"] == 1
+    for result, ids in zip(results, dst_ids, strict=True):
+        assert (result.loaded_tokens, result.failed_block_ids) == (chunks * C, ((), ()))
+        assert_loaded(src, src_ids, dst, ids, chunks)
+
+
+@pytest.mark.asyncio
 async def test_second_store_writes_nothing_and_a_shared_prefix_stores_only_new_chunks(
     mooncake_backend: MooncakeBackend, src: PagedCache
 ) -> None:

@@ -66,6 +66,38 @@ class Call:
     sizes: IntArray
 
 
+def distinct_key_rounds(keys: list[str]) -> list[slice] | list[IntArray]:
+    """Indexes of ``keys`` in rounds within which no key repeats: the k-th row of a key goes into
+    round k (one round, ``slice(None)``, when no key repeats: the usual case)."""
+    if len(set(keys)) == len(keys):
+        return [slice(None)]
+    seen: dict[str, int] = {}
+    rank = np.empty(len(keys), dtype=np.int64)
+    for i, key in enumerate(keys):
+        rank[i] = seen[key] = seen.get(key, -1) + 1
+    return [np.flatnonzero(rank == r) for r in range(int(rank.max()) + 1)]
+
+
+def _calls(
+    op: Op,
+    group_rows: GroupRows,
+    rows: IntArray,
+    addrs: IntArray,
+    sizes: IntArray,
+    max_regions_per_call: int,
+    threads: int,
+) -> list[Call]:
+    per_call = keys_per_call(
+        max_regions_per_call, addrs.shape[1], keys=rows.size, total_bytes=int(sizes.sum()), threads=threads
+    )
+    calls = []
+    for start in range(0, rows.size, per_call):
+        part = slice(start, start + per_call)
+        rows_part = rows[part]
+        calls.append(Call(op, rows_part, pick_rows(group_rows.keys, rows_part), addrs[part], sizes[part]))
+    return calls
+
+
 def split_calls(
     group_rows: GroupRows,
     region_batches: list[RegionBatch],
@@ -85,17 +117,12 @@ def split_calls(
                 rows, addrs, sizes = regions.rows, regions.addrs, regions.sizes
             else:
                 rows, addrs, sizes = regions.rows[mask], regions.addrs[mask], regions.sizes[mask]
-            per_call = keys_per_call(
-                max_regions_per_call,
-                addrs.shape[1],
-                keys=rows.size,
-                total_bytes=int(sizes.sum()),
-                threads=threads,
-            )
-            for start in range(0, rows.size, per_call):
-                part = slice(start, start + per_call)
-                rows_part = rows[part]
-                calls.append(
-                    Call(op, rows_part, pick_rows(group_rows.keys, rows_part), addrs[part], sizes[part])
+            # Puts never repeat a key (claims give each key one writer); gets of one key into several
+            # requests' blocks do, and Mooncake's batch get then fills only the last of them while
+            # answering success for all: such rows go into calls of their own, one key once a call.
+            rounds = [slice(None)] if op is Op.PUT else distinct_key_rounds(pick_rows(group_rows.keys, rows))
+            for chosen in rounds:
+                calls += _calls(
+                    op, group_rows, rows[chosen], addrs[chosen], sizes[chosen], max_regions_per_call, threads
                 )
     return calls
