@@ -1,0 +1,94 @@
+"""Smoke test of ``python -m aiokv bench vllm`` at a tiny size, on real vLLM engines and a real Mooncake.
+
+Timings are not checked (the machine is shared); what is checked: every configuration ran, the loading
+engine really got its prompt's blocks from the store, the greedy tokens agree everywhere, and the
+output comparison catches a single wrong token.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aiokv.bench import vllm as bench
+from aiokv.bench.vllm_figures import output_mismatches
+
+from .mooncake_support import in_ci, require_mooncake
+
+PROMPT_TOKENS = 1024
+OUTPUT_TOKENS = 4
+TINY = [
+    "--prompt-tokens", str(PROMPT_TOKENS), "--repeats", "1", "--output-tokens", str(OUTPUT_TOKENS),
+    "--probe-tokens", "512", "--probe-steps", "4", "--prefixes", "1", "--per-prefix", "2",
+    "--prefix-tokens", "512", "--suffix-tokens", "128", "--layers", "2", "--kv-cache-gib", "1",
+]  # fmt: skip
+
+
+def require_engine() -> None:
+    """Skip (fail under CI) unless vLLM, Mooncake, a private namespace and AiokvConnector are here."""
+    require_mooncake()
+    reasons = []
+    if importlib.util.find_spec("vllm") is None:
+        reasons.append("vLLM is not installed (pip install 'aiokv[vllm]')")
+    missing = bench.aiokv_available()
+    if missing is not None:
+        reasons.append(f"AiokvConnector is not importable: {missing}")
+    if not reasons:
+        return
+    if in_ci():
+        pytest.fail("CI must run the vLLM benchmark, but: " + "; ".join(reasons), pytrace=False)
+    pytest.skip("; ".join(reasons))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    require_engine()
+    out = tmp_path_factory.mktemp("bench-vllm") / "figures.json"
+    rc = bench.main([*TINY, "--no-unshare", "--json", str(out)])
+    result: dict[str, Any] = json.loads(out.read_text())
+    result["rc"] = rc
+    return result
+
+
+@pytest.mark.mooncake
+def test_every_configuration_runs_and_outputs_agree(tiny_run: dict[str, Any]) -> None:
+    assert tiny_run["rc"] == 0
+    assert tiny_run["configs"] == list(bench.CONFIGS)
+    assert tiny_run["mismatches"] == []
+    recompute_tokens = tiny_run["raw"]["recompute"]["load"]["long"][0]["local"]["requests"][0]["tokens"]
+    assert len(recompute_tokens) == OUTPUT_TOKENS
+
+
+@pytest.mark.mooncake
+def test_loading_engine_hits_the_store(tiny_run: dict[str, Any]) -> None:
+    figures = tiny_run["figures"]
+    key = f"hit_tokens:{PROMPT_TOKENS}"
+    assert figures["recompute"][key] == 0
+    # At most every full block but the one holding the last prompt token (vLLM computes at least one).
+    most = (PROMPT_TOKENS - 1) // 128 * 128
+    for name in ("vllm", "aiokv", "aiokv-vllm-keys"):
+        assert 0 < figures[name][key] <= most, name
+        assert figures[name]["mixed_load_hit_tokens"] > 0, name
+        assert figures[name][f"load_gbps:{PROMPT_TOKENS}"] > 0, name
+    assert set(tiny_run["ratios"]) == {"aiokv", "aiokv-vllm-keys"}
+    assert tiny_run["goals"], "the goals against vLLM's connector were not judged"
+
+
+@pytest.mark.mooncake
+def test_a_single_wrong_token_is_caught(tiny_run: dict[str, Any]) -> None:
+    results = copy.deepcopy(tiny_run["raw"])
+    assert output_mismatches(results, "recompute") == []
+    request = results["aiokv"]["load"]["long"][0]["external"][0]["requests"][0]
+    request["tokens"][-1] = (request["tokens"][-1] + 1) % 1024
+    problems = output_mismatches(results, "recompute")
+    assert problems and all(problem.startswith("aiokv:") for problem in problems)
+
+
+def test_cli_refuses_configs_without_the_baseline(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--configs", "vllm", "--json", str(tmp_path / "x.json")])
