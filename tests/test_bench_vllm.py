@@ -60,8 +60,19 @@ def test_every_configuration_runs_and_outputs_agree(tiny_run: dict[str, Any]) ->
     assert tiny_run["rc"] == 0
     assert tiny_run["configs"] == list(bench.CONFIGS)
     assert tiny_run["mismatches"] == []
-    recompute_tokens = tiny_run["raw"]["recompute"]["load"]["long"][0]["local"]["requests"][0]["tokens"]
+    (results,) = tiny_run["raw"]  # one round
+    recompute_tokens = results["recompute"]["load"]["long"][0]["local"]["requests"][0]["tokens"]
     assert len(recompute_tokens) == OUTPUT_TOKENS
+    # Every long-prompt load had a reference at its hit boundary, so all of them were compared.
+    reference = results["recompute"]["load"]["long"][0]
+    reference_runs = [*reference["external"], reference["local"], *reference["boundaries"].values()]
+    boundaries = {run["requests"][0]["cached_tokens"] for run in reference_runs}
+    for name in bench.CONFIGS:
+        for run in results[name]["load"]["long"][0]["external"]:
+            request = run["requests"][0]
+            assert request["cached_tokens"] in boundaries, name
+            assert len(request["tokens"]) == OUTPUT_TOKENS
+    assert tiny_run["unverified_requests"]["recompute"] == 0
 
 
 @pytest.mark.mooncake
@@ -81,7 +92,7 @@ def test_loading_engine_hits_the_store(tiny_run: dict[str, Any]) -> None:
 
 @pytest.mark.mooncake
 def test_a_single_wrong_token_is_caught(tiny_run: dict[str, Any]) -> None:
-    results = copy.deepcopy(tiny_run["raw"])
+    results = copy.deepcopy(tiny_run["raw"][0])
     assert output_mismatches(results, "recompute") == []
     request = results["aiokv"]["load"]["long"][0]["external"][0]["requests"][0]
     request["tokens"][-1] = (request["tokens"][-1] + 1) % 1024

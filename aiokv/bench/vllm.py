@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -31,12 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from .vllm_figures import (
-    GOAL_TTFT_HIT_RATIO,
     Geometry,
-    better,
-    config_figures,
-    output_mismatches,
-    step_inflation,
+    check_outputs,
+    format_table,
+    hit_boundaries,
+    median_figures,
+    round_figures,
+    summarize,
 )
 
 logger = logging.getLogger("aiokv.bench.vllm")
@@ -74,10 +75,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--prompt-tokens",
-        default="4096,16384",
-        help="long prompt sizes, comma-separated (default 4096,16384)",
+        default="4096,8192",
+        help="long prompt sizes, comma-separated (default 4096,8192)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="loads of each long prompt (default 3)")
+    parser.add_argument(
+        "--recompute-repeats", type=int, default=1, help="runs of each long prompt without a connector (1)"
+    )
     parser.add_argument(
         "--output-tokens", type=int, default=16, help="greedy tokens per request (default 16)"
     )
@@ -93,6 +97,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (default 2)")
     parser.add_argument(
         "--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of the connector configurations, order alternating; figures are the medians (default 1)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write every figure and raw timing here")
@@ -253,8 +263,18 @@ def run_engine(spec: dict[str, Any], workdir: Path, tag: str, env: dict[str, str
 
 
 def run_config(
-    name: str, workload: dict[str, Any], model: Path, workdir: Path, args: argparse.Namespace, segment: int
+    name: str,
+    workload: dict[str, Any],
+    model: Path,
+    workdir: Path,
+    args: argparse.Namespace,
+    segment: int,
+    *,
+    tag: str,
+    roles: tuple[str, ...] = ("store", "load"),
+    load_extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """Run ``roles``' engines one after the other on one fresh store (none for ``recompute``)."""
     base = {"model": str(model), "max_model_len": workload["max_model_len"]}
     with contextlib.ExitStack() as stack:
         config_path: Path | None = None
@@ -262,17 +282,17 @@ def run_config(
         if name != "recompute":
             address = stack.enter_context(mooncake_store(segment))
             store_config = mooncake_config(address)
-            config_path = workdir / f"{name}.mooncake.json"
+            config_path = workdir / f"{tag}.mooncake.json"
             config_path.write_text(json.dumps(store_config))
             transfer = kv_transfer_config(name, store_config)
         env = engine_env(config_path, args.kv_cache_gib)
         result: dict[str, Any] = {"connector": transfer}
-        for role in ("store", "load"):
-            logger.info("%s: %s engine", name, role)
+        for role in roles:
+            logger.info("%s: %s engine", tag, role)
             spec = {**base, **workload[role], "role": role, "kv_transfer_config": transfer}
-            if role == "load" and name == "recompute":
-                spec["repeats"] = args.recompute_repeats  # the slow reference: fewer runs
-            result[role] = run_engine(spec, workdir, f"{name}.{role}", env)
+            if role == "load":
+                spec |= load_extra or {}
+            result[role] = run_engine(spec, workdir, f"{tag}.{role}", env)
         return result
 
 
@@ -281,55 +301,13 @@ def run_config(
 
 def aiokv_available() -> str | None:
     """Why AiokvConnector cannot run here, or None."""
+    # Located, not imported: importing the connector imports vLLM (seconds); the engines import it.
     try:
-        module = importlib.import_module("aiokv.integrations.vllm")
+        if importlib.util.find_spec("aiokv.integrations.vllm.connector") is None:
+            return "aiokv.integrations.vllm.connector (AiokvConnector) is not installed"
     except ImportError as exc:
-        return f"aiokv.integrations.vllm does not import: {exc}"
-    if not hasattr(module, "AiokvConnector"):
-        return "aiokv.integrations.vllm has no AiokvConnector"
+        return f"aiokv.integrations.vllm is not installed: {exc}"
     return None
-
-
-def summarize(results: dict[str, dict[str, Any]], geometry: Geometry) -> dict[str, Any]:
-    figures = {name: config_figures(result, geometry) for name, result in results.items()}
-    for name, inflation in step_inflation(results).items():
-        figures[name]["step_inflation"] = inflation
-    ratios: dict[str, dict[str, float]] = {}
-    goals: dict[str, bool] = {}
-    if "vllm" in figures:
-        for name in (n for n in AIOKV_CONFIGS if n in figures):
-            ratios[name] = {
-                key: value / figures["vllm"][key]
-                for key, value in figures[name].items()
-                if figures["vllm"].get(key) and not key.startswith(("hit_tokens", "probe_steps"))
-            }
-        if "aiokv" in figures:
-            for key, value in figures["aiokv"].items():
-                if key in figures["vllm"] and not key.startswith(("hit_tokens", "probe_steps", "ttft_local")):
-                    goals[key] = better(key)(value, figures["vllm"][key])
-            for key, ratio in ratios["aiokv"].items():
-                if key.startswith("ttft_s:"):
-                    goals[f"{key} <= {GOAL_TTFT_HIT_RATIO}x vllm"] = ratio <= GOAL_TTFT_HIT_RATIO
-    return {"figures": figures, "ratios": ratios, "goals": goals}
-
-
-def format_table(summary: dict[str, Any]) -> str:
-    figures: dict[str, dict[str, float]] = summary["figures"]
-    names = list(figures)
-    keys = list(dict.fromkeys(key for values in figures.values() for key in values))
-    ratio_names = list(summary["ratios"])
-    header = ["figure", *names, *(f"{n}/vllm" for n in ratio_names)]
-    rows = [header]
-    for key in keys:
-        row = [key]
-        row += [f"{figures[n][key]:.4g}" if key in figures[n] else "-" for n in names]
-        row += [f"{summary['ratios'][n].get(key, float('nan')):.3g}" for n in ratio_names]
-        rows.append(row)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows]
-    for goal, met in summary["goals"].items():
-        lines.append(f"goal aiokv vs vllm {goal}: {'met' if met else 'NOT met'}")
-    return "\n".join(lines) + "\n"
 
 
 def _rerun_in_namespace(argv: list[str]) -> int:
@@ -376,10 +354,50 @@ def main(argv: list[str] | None = None) -> int:
         from ..integrations.vllm.tiny_model import write_tiny_llama
 
         model = write_tiny_llama(workdir / "model", **shape, seed=args.seed)
-        results = {name: run_config(name, workload, model, workdir, args, segment) for name in configs}
-    summary = summarize(results, geometry)
-    mismatches = output_mismatches(results, "recompute")
-    summary |= {"mismatches": mismatches, "configs": configs, "aiokv_missing": missing}
+        reference = run_config(
+            "recompute", workload, model, workdir, args, segment, tag="recompute", roles=("store",)
+        )
+        connectors = [c for c in configs if c != "recompute"]
+        rounds: list[dict[str, dict[str, Any]]] = []
+        for number in range(1, args.rounds + 1):
+            # Alternate the order so that a machine getting busier or quieter favours no connector.
+            order = connectors if number % 2 else connectors[::-1]
+            rounds.append(
+                {
+                    name: run_config(name, workload, model, workdir, args, segment, tag=f"{name}.r{number}")
+                    for name in order
+                }
+            )
+        # The reference loads last: it reproduces every hit boundary the connectors produced.
+        boundaries = hit_boundaries(
+            {f"{i}{n}": r for i, rs in enumerate(rounds) for n, r in rs.items()}, BLOCK_SIZE
+        )
+        load_extra = {"repeats": args.recompute_repeats, "boundaries": boundaries}
+        reference |= run_config(
+            "recompute",
+            workload,
+            model,
+            workdir,
+            args,
+            segment,
+            tag="recompute",
+            roles=("load",),
+            load_extra=load_extra,
+        )
+        for results in rounds:
+            results["recompute"] = reference
+    per_round = [round_figures(results, geometry) for results in rounds]
+    summary = summarize(median_figures(per_round))
+    checks = [check_outputs(results, "recompute") for results in rounds]
+    mismatches = sorted({problem for problems, _ in checks for problem in problems})
+    unverified = {name: sum(counts.get(name, 0) for _, counts in checks) for name in configs}
+    summary |= {
+        "mismatches": mismatches,
+        "unverified_requests": unverified,
+        "configs": configs,
+        "aiokv_missing": missing,
+        "per_round": per_round,
+    }
     summary["setup"] = {
         "model": shape,
         "block_bytes": block_bytes,
@@ -388,8 +406,12 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(format_table(summary))
     for problem in mismatches:
         sys.stdout.write(f"OUTPUT MISMATCH {problem}\n")
+    sys.stdout.write(
+        f"greedy tokens: {'all equal' if not mismatches else 'MISMATCHES'} to the run without a connector at "
+        f"the same hit boundary; requests with no reference at their boundary: {unverified}\n"
+    )
     if args.json is not None:
-        args.json.write_text(json.dumps({**summary, "raw": results}, indent=1, default=str))
+        args.json.write_text(json.dumps({**summary, "raw": rounds}, indent=1, default=str))
     return 1 if mismatches else 0
 
 
