@@ -384,8 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             roles=("load",),
             load_extra=load_extra,
         )
-        for results in rounds:
-            results["recompute"] = reference
+        rounds = [{"recompute": reference, **results} for results in rounds]
     per_round = [round_figures(results, geometry) for results in rounds]
     summary = summarize(median_figures(per_round))
     checks = [check_outputs(results, "recompute") for results in rounds]
