@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from aiokv.bench import vllm as bench
-from aiokv.bench.vllm_figures import output_mismatches
+from aiokv.bench.vllm_figures import check_outputs, output_mismatches
 
 from .mooncake_support import in_ci, require_mooncake
 
@@ -98,6 +98,11 @@ def test_a_single_wrong_token_is_caught(tiny_run: dict[str, Any]) -> None:
     request["tokens"][-1] = (request["tokens"][-1] + 1) % 1024
     problems = output_mismatches(results, "recompute")
     assert problems and all(problem.startswith("aiokv:") for problem in problems)
+    wrong, diverged, _ = check_outputs(results, "recompute")
+    assert not wrong and diverged  # only the last token differs: it diverged late
+    request["tokens"][0] = (request["tokens"][0] + 1) % 1024
+    wrong, _, _ = check_outputs(results, "recompute")
+    assert wrong and all(problem.startswith("aiokv:") for problem in wrong)
 
 
 def test_cli_refuses_configs_without_the_baseline(tmp_path: Path) -> None:

@@ -388,10 +388,13 @@ def main(argv: list[str] | None = None) -> int:
     per_round = [round_figures(results, geometry) for results in rounds]
     summary = summarize(median_figures(per_round))
     checks = [check_outputs(results, "recompute") for results in rounds]
-    mismatches = sorted({problem for problems, _ in checks for problem in problems})
-    unverified = {name: sum(counts.get(name, 0) for _, counts in checks) for name in configs}
+    wrong = sorted({problem for problems, _, _ in checks for problem in problems})
+    diverged = sorted({problem for _, problems, _ in checks for problem in problems})
+    unverified = {name: sum(counts.get(name, 0) for _, _, counts in checks) for name in configs}
     summary |= {
-        "mismatches": mismatches,
+        "mismatches": wrong + diverged,
+        "wrong_outputs": wrong,
+        "diverged_outputs": diverged,
         "unverified_requests": unverified,
         "configs": configs,
         "aiokv_missing": missing,
@@ -403,15 +406,18 @@ def main(argv: list[str] | None = None) -> int:
         "args": vars(args) | {"json": None, "keep": None},
     }
     sys.stdout.write(format_table(summary))
-    for problem in mismatches:
-        sys.stdout.write(f"OUTPUT MISMATCH {problem}\n")
+    for problem in wrong:
+        sys.stdout.write(f"WRONG OUTPUT {problem}\n")
+    for problem in diverged:
+        sys.stdout.write(f"DIVERGED LATER {problem}\n")
+    verdict = "all equal" if not wrong + diverged else f"{len(wrong)} wrong, {len(diverged)} diverged later"
     sys.stdout.write(
-        f"greedy tokens: {'all equal' if not mismatches else 'MISMATCHES'} to the run without a connector at "
-        f"the same hit boundary; requests with no reference at their boundary: {unverified}\n"
+        f"greedy tokens vs the run without a connector at the same hit boundary: {verdict}; "
+        f"requests with no reference at their boundary: {unverified}\n"
     )
     if args.json is not None:
         args.json.write_text(json.dumps({**summary, "raw": rounds}, indent=1, default=str))
-    return 1 if mismatches else 0
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

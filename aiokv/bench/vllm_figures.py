@@ -98,8 +98,10 @@ def step_inflation(results: dict[str, dict[str, Any]], baseline: str = "recomput
     return inflation
 
 
-def _outputs(result: dict[str, Any]) -> list[tuple[str, int, tuple[int, ...]]]:
-    """Every request's (phase/name, hit tokens, greedy tokens) in one configuration."""
+def _outputs(result: dict[str, Any], *, local: bool) -> list[tuple[str, int, tuple[int, ...]]]:
+    """Every request's (phase/name, hit tokens, greedy tokens) in one configuration; ``local``: with the
+    runs on vLLM's own prefix cache (only the reference's are comparable: elsewhere some of the
+    cached blocks were loaded, and so computed along another path)."""
     records: list[tuple[str, int, tuple[int, ...]]] = []
 
     def add(prefix: str, run: dict[str, Any]) -> None:
@@ -115,40 +117,50 @@ def _outputs(result: dict[str, Any]) -> list[tuple[str, int, tuple[int, ...]]]:
     for stored in store["long"]:
         add("store/long", stored)
     for loaded in load["long"]:
-        for run in [*loaded["external"], loaded["local"], *loaded.get("boundaries", {}).values()]:
+        runs = [*loaded["external"], *loaded.get("boundaries", {}).values()]
+        for run in [*runs, loaded["local"]] if local else runs:
             add("load/long", run)
     return records
 
 
-def check_outputs(results: dict[str, dict[str, Any]], reference: str) -> tuple[list[str], dict[str, int]]:
+def check_outputs(
+    results: dict[str, dict[str, Any]], reference: str
+) -> tuple[list[str], list[str], dict[str, int]]:
     """Compare every request's greedy tokens with the ``reference`` run (no connector) at the same hit
-    boundary. vLLM computing a prompt whole and on top of cached blocks can differ in the last bits,
+    boundary: vLLM computing a prompt whole and on top of cached blocks can differ in the last bits,
     which may flip a greedy token of a random model, so a request is compared with a reference that
-    had the same number of tokens cached (by vLLM itself). Returns the mismatches and, per
-    configuration, how many requests had no reference at their boundary (left unverified)."""
+    had the same number of tokens cached by vLLM itself.
+
+    Returns the requests whose first token already differs or that produced nothing (wrong KV is the
+    likely cause), those that diverge later (also what numerics of another batch composition can do),
+    and per configuration how many requests had no reference at their boundary (left unverified)."""
     expected: dict[tuple[str, int], tuple[int, ...]] = {}
-    problems: list[str] = []
-    for key, cached, tokens in _outputs(results[reference]):
+    wrong: list[str] = []
+    diverged: list[str] = []
+    for key, cached, tokens in _outputs(results[reference], local=True):
         if expected.setdefault((key, cached), tokens) != tokens:
-            problems.append(f"{reference}: {key} with {cached} cached tokens is not deterministic")
+            diverged.append(f"{reference}: {key} with {cached} cached tokens is not deterministic")
     unverified: dict[str, int] = {}
     for name, result in results.items():
         unverified[name] = 0
-        for key, cached, tokens in _outputs(result):
+        for key, cached, tokens in _outputs(result, local=name == reference):
             want = expected.get((key, cached))
             if want is None:
                 unverified[name] += 1
-            elif not tokens:
-                problems.append(f"{name}: {key} produced no tokens")
             elif tokens != want:
-                problems.append(
-                    f"{name}: {key} ({cached} tokens hit) gave {list(tokens)} instead of {list(want)}"
+                first = next((i for i, (a, b) in enumerate(zip(tokens, want, strict=False)) if a != b), None)
+                where = f"from token {first}" if first is not None else "in length"
+                problem = (
+                    f"{name}: {key} ({cached} tokens hit) differs {where}: {list(tokens)} vs {list(want)}"
                 )
-    return problems, unverified
+                (wrong if not tokens or first == 0 else diverged).append(problem)
+    return wrong, diverged, unverified
 
 
 def output_mismatches(results: dict[str, dict[str, Any]], reference: str) -> list[str]:
-    return check_outputs(results, reference)[0]
+    """Every request whose greedy tokens differ from the reference's at the same hit boundary."""
+    wrong, diverged, _ = check_outputs(results, reference)
+    return wrong + diverged
 
 
 def hit_boundaries(results: dict[str, dict[str, Any]], block_size: int) -> dict[str, list[int]]:
