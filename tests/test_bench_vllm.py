@@ -24,8 +24,8 @@ PROMPT_TOKENS = 1024
 OUTPUT_TOKENS = 4
 TINY = [
     "--prompt-tokens", str(PROMPT_TOKENS), "--repeats", "1", "--output-tokens", str(OUTPUT_TOKENS),
-    "--probe-tokens", "512", "--probe-steps", "4", "--prefixes", "1", "--per-prefix", "2",
-    "--prefix-tokens", "512", "--suffix-tokens", "128", "--layers", "2", "--kv-cache-gib", "1",
+    "--probe-tokens", "512", "--probe-steps", "4", "--prefixes", "2", "--per-prefix", "4",
+    "--prefix-tokens", "1024", "--suffix-tokens", "128", "--layers", "2", "--kv-cache-gib", "1",
 ]  # fmt: skip
 
 
@@ -57,9 +57,11 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.mark.mooncake
 def test_every_configuration_runs_and_outputs_agree(tiny_run: dict[str, Any]) -> None:
-    assert tiny_run["rc"] == 0
     assert tiny_run["configs"] == list(bench.CONFIGS)
-    assert tiny_run["mismatches"] == []
+    # Several concurrent requests per stored prefix: AiokvConnector at 59ef1f5 gave wrong tokens here.
+    assert tiny_run["wrong_outputs"] == []
+    assert tiny_run["diverged_outputs"] == []  # this 2-layer model's outputs have always been exact
+    assert tiny_run["rc"] == 0
     (results,) = tiny_run["raw"]  # one round
     recompute_tokens = results["recompute"]["load"]["long"][0]["local"]["requests"][0]["tokens"]
     assert len(recompute_tokens) == OUTPUT_TOKENS
@@ -92,17 +94,20 @@ def test_loading_engine_hits_the_store(tiny_run: dict[str, Any]) -> None:
 
 @pytest.mark.mooncake
 def test_a_single_wrong_token_is_caught(tiny_run: dict[str, Any]) -> None:
-    results = copy.deepcopy(tiny_run["raw"][0])
+    # On the reference and vLLM's own connector only, so that this control does not depend on the
+    # configuration under test being right.
+    full = tiny_run["raw"][0]
+    results = copy.deepcopy({name: full[name] for name in ("recompute", "vllm")})
     assert output_mismatches(results, "recompute") == []
-    request = results["aiokv"]["load"]["long"][0]["external"][0]["requests"][0]
+    request = results["vllm"]["load"]["long"][0]["external"][0]["requests"][0]
     request["tokens"][-1] = (request["tokens"][-1] + 1) % 1024
     problems = output_mismatches(results, "recompute")
-    assert problems and all(problem.startswith("aiokv:") for problem in problems)
+    assert problems and all(problem.startswith("vllm:") for problem in problems)
     wrong, diverged, _ = check_outputs(results, "recompute")
     assert not wrong and diverged  # only the last token differs: it diverged late
     request["tokens"][0] = (request["tokens"][0] + 1) % 1024
     wrong, _, _ = check_outputs(results, "recompute")
-    assert wrong and all(problem.startswith("aiokv:") for problem in wrong)
+    assert wrong and all(problem.startswith("vllm:") for problem in wrong)
 
 
 def test_cli_refuses_configs_without_the_baseline(tmp_path: Path) -> None:
