@@ -87,7 +87,8 @@ def test_loading_engine_hits_the_store(tiny_run: dict[str, Any]) -> None:
     for name in ("vllm", "aiokv", "aiokv-vllm-keys"):
         assert 0 < figures[name][key] <= most, name
         assert figures[name]["mixed_load_hit_tokens"] > 0, name
-        assert figures[name][f"load_gbps:{PROMPT_TOKENS}"] > 0, name
+        # (load_gbps is left out when a hit was not slower than vLLM's own cache: timing, not checked)
+        assert figures[name][f"ttft_s:{PROMPT_TOKENS}"] > 0, name
     assert set(tiny_run["ratios"]) == {"aiokv", "aiokv-vllm-keys"}
     assert tiny_run["goals"], "the goals against vLLM's connector were not judged"
 
