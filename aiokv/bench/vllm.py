@@ -1,0 +1,424 @@
+"""``python -m aiokv bench vllm``: AiokvConnector against vLLM's own MooncakeStoreConnector on a real
+vLLM engine, and against recomputing, in one run on one model and one workload.
+
+Per configuration (``recompute``: no connector; ``vllm``: ``MooncakeStoreConnector``; ``aiokv``:
+``AiokvConnector``; ``aiokv-vllm-keys``: it with ``"key_format": "vllm"``) a fresh Mooncake master and a
+holder process that mounts the store's segment, so every load and store crosses processes over TCP
+(standalone-store mode: the engines mount nothing). One engine process stores, a second one loads;
+each is its own subprocess running the in-process engine (``aiokv.bench.vllm_engine``). Greedy tokens
+must be equal in every configuration, or the run fails.
+
+Mooncake opens sockets on all interfaces: the benchmark runs in a private network namespace, re-running
+itself under ``unshare -rn`` when it is not in one. Progress goes to stderr, the table to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .vllm_figures import (
+    Geometry,
+    check_outputs,
+    format_table,
+    hit_boundaries,
+    median_figures,
+    round_figures,
+    summarize,
+)
+
+logger = logging.getLogger("aiokv.bench.vllm")
+
+CONFIGS = ("recompute", "vllm", "aiokv", "aiokv-vllm-keys")
+AIOKV_CONFIGS = ("aiokv", "aiokv-vllm-keys")
+ENGINE_TIMEOUT_S = 1200.0
+
+# The model of ../shared/vllm-cpu.md's measurement: many layers, small hidden, 16 KiB of KV per token.
+MODEL_SHAPE = {
+    "num_layers": 16,
+    "hidden_size": 256,
+    "num_heads": 2,
+    "num_kv_heads": 2,
+    "head_dim": 128,
+    "intermediate_size": 512,
+    "vocab_size": 1024,
+}
+BLOCK_SIZE = 128  # the CPU attention backend's block size
+
+_HOLDER = """
+import sys
+from aiokv import MooncakeBackend
+backend = MooncakeBackend.from_master(sys.argv[1], global_segment_size=int(sys.argv[2]))
+print("ready", flush=True)
+sys.stdin.read()  # until the benchmark closes our stdin
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m aiokv bench vllm",
+        description="AiokvConnector vs vLLM's MooncakeStoreConnector vs recompute on a real vLLM engine: "
+        "TTFT on a hit, throughput, step-time inflation, GB/s and CPU per request, across processes.",
+    )
+    parser.add_argument(
+        "--prompt-tokens",
+        default="4096,8192",
+        help="long prompt sizes, comma-separated (default 4096,8192)",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="loads of each long prompt (default 3)")
+    parser.add_argument(
+        "--recompute-repeats", type=int, default=1, help="runs of each long prompt without a connector (1)"
+    )
+    parser.add_argument(
+        "--output-tokens", type=int, default=16, help="greedy tokens per request (default 16)"
+    )
+    parser.add_argument(
+        "--probe-tokens", type=int, default=8192, help="prompt stored during the step probe (8192)"
+    )
+    parser.add_argument("--probe-steps", type=int, default=48, help="decode steps of the probe request")
+    parser.add_argument("--prefixes", type=int, default=2, help="shared prefixes in the mixed workload")
+    parser.add_argument("--per-prefix", type=int, default=4, help="concurrent requests per prefix")
+    parser.add_argument("--prefix-tokens", type=int, default=2048, help="tokens per shared prefix")
+    parser.add_argument("--suffix-tokens", type=int, default=256, help="own tokens per mixed request")
+    parser.add_argument("--layers", type=int, default=MODEL_SHAPE["num_layers"], help="model layers (16)")
+    parser.add_argument("--kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (default 2)")
+    parser.add_argument(
+        "--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of the connector configurations, order alternating; figures are the medians (default 1)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="write every figure and raw timing here")
+    parser.add_argument("--keep", type=Path, help="keep the model, specs, results and logs in this folder")
+    parser.add_argument(
+        "--no-unshare", action="store_true", help="fail instead of re-running under unshare -rn"
+    )
+    parser.add_argument("-v", "--verbose", action="store_true")
+    return parser
+
+
+# -- workload -------------------------------------------------------------------------------------
+
+
+def build_workload(args: argparse.Namespace) -> dict[str, Any]:
+    """Prompts every configuration runs, seeded; token ids avoid the few special ids."""
+    rng = random.Random(args.seed)
+    vocab = MODEL_SHAPE["vocab_size"]
+
+    def ids(count: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(count)]
+
+    def prompt(name: str, tokens: list[int], max_tokens: int) -> dict[str, Any]:
+        return {"name": name, "ids": tokens, "max_tokens": max_tokens}
+
+    sizes = [int(size) for size in args.prompt_tokens.split(",") if size.strip()]
+    out = args.output_tokens
+    long_ids = {size: ids(size) for size in sizes}
+    prefixes = [ids(args.prefix_tokens) for _ in range(args.prefixes)]
+
+    def mixed(tag: str) -> list[dict[str, Any]]:
+        return [
+            prompt(f"{tag}-p{p}-r{r}", prefixes[p] + ids(args.suffix_tokens), out)
+            for r in range(args.per_prefix)
+            for p in range(args.prefixes)
+        ]
+
+    warmup = prompt("warmup", ids(4 * BLOCK_SIZE), out)
+    # The storing engine asks for one token: the request ends with its prefill step, so what follows
+    # until the scheduler lets go of it is the store alone.
+    store_long = [prompt(f"long{size}", long_ids[size], 1) for size in sizes]
+    load_long = [prompt(f"long{size}", long_ids[size], out) for size in sizes]
+    probe = [
+        prompt("probe-decode", ids(64), args.probe_steps),
+        prompt("probe-stored", ids(args.probe_tokens), 1),
+    ]
+    return {
+        "store": {"warmup": warmup, "long": store_long, "probe": probe, "mixed": mixed("mixed-a")},
+        "load": {"warmup": warmup, "long": load_long, "mixed": mixed("mixed-b"), "repeats": args.repeats},
+        "max_model_len": max([*sizes, args.probe_tokens + 64, args.prefix_tokens + args.suffix_tokens]) + 64,
+    }
+
+
+def stored_bytes_estimate(workload: dict[str, Any], block_bytes: int) -> int:
+    prompts = [workload["store"]["warmup"], *workload["store"]["long"], *workload["store"]["probe"]]
+    prompts += workload["store"]["mixed"] + workload["load"]["mixed"]
+    return sum(len(p["ids"]) // BLOCK_SIZE for p in prompts) * block_bytes
+
+
+# -- store and engines ----------------------------------------------------------------------------
+
+
+def mooncake_config(master_address: str) -> dict[str, Any]:
+    """The JSON vLLM users give ``MOONCAKE_CONFIG_PATH``: standalone-store, the engines mount nothing."""
+    return {
+        "metadata_server": "P2PHANDSHAKE",
+        "master_server_address": master_address,
+        "protocol": "tcp",
+        "device_name": "",
+        "mode": "standalone-store",
+        "global_segment_size": 0,
+        "local_buffer_size": 256 << 20,
+    }
+
+
+def kv_transfer_config(name: str, store_config: dict[str, Any]) -> dict[str, Any] | None:
+    common = {"kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
+    if name == "recompute":
+        return None
+    if name == "vllm":
+        return {"kv_connector": "MooncakeStoreConnector", **common}
+    key_format = "vllm" if name == "aiokv-vllm-keys" else "aiokv"
+    return {
+        "kv_connector": "AiokvConnector",
+        "kv_connector_module_path": "aiokv.integrations.vllm",
+        "kv_connector_extra_config": {
+            "backend": "mooncake",
+            "mooncake_config": store_config,
+            "key_format": key_format,
+        },
+        **common,
+    }
+
+
+@contextlib.contextmanager
+def mooncake_store(segment_bytes: int) -> Iterator[str]:
+    """A fresh master and a holder process mounting ``segment_bytes``; yields the master's address."""
+    from ..backends.mooncake_master import MooncakeMaster
+
+    with MooncakeMaster() as master:
+        holder = subprocess.Popen(
+            [sys.executable, "-c", _HOLDER, master.address, str(segment_bytes)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        try:
+            if holder.stdout is None or holder.stdout.readline().strip() != "ready":
+                raise RuntimeError("the segment-holding process did not start")
+            yield master.address
+        finally:
+            # Killed rather than closed: its segment's contents are no longer needed.
+            holder.kill()
+            holder.wait(30)
+
+
+def engine_env(config_path: Path | None, kv_cache_gib: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env |= {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1",
+        # Without these a batch of more than ~1024 slices to one peer hangs 60 s (../shared/mooncake.md).
+        "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
+        "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
+        "MC_STORE_CLIENT_SETUP_RETRIES": "3",
+    }
+    if config_path is not None:
+        env["MOONCAKE_CONFIG_PATH"] = str(config_path)
+    return env
+
+
+def run_engine(spec: dict[str, Any], workdir: Path, tag: str, env: dict[str, str]) -> dict[str, Any]:
+    spec_path, result_path, log_path = (
+        workdir / f"{tag}.{ext}" for ext in ("spec.json", "result.json", "log")
+    )
+    spec_path.write_text(json.dumps(spec))
+    started = time.perf_counter()
+    with log_path.open("wb") as log:
+        process = subprocess.run(
+            [sys.executable, "-m", "aiokv.bench.vllm_engine", str(spec_path), str(result_path)],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=ENGINE_TIMEOUT_S,
+            check=False,
+        )
+    if process.returncode != 0 or not result_path.exists():
+        tail = log_path.read_text(errors="replace").splitlines()[-40:]
+        raise RuntimeError(f"engine {tag} failed (exit {process.returncode}); log tail:\n" + "\n".join(tail))
+    logger.info("engine %s done in %.1f s", tag, time.perf_counter() - started)
+    result: dict[str, Any] = json.loads(result_path.read_text())
+    return result
+
+
+def run_config(
+    name: str,
+    workload: dict[str, Any],
+    model: Path,
+    workdir: Path,
+    args: argparse.Namespace,
+    segment: int,
+    *,
+    tag: str,
+    roles: tuple[str, ...] = ("store", "load"),
+    load_extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Run ``roles``' engines one after the other on one fresh store (none for ``recompute``)."""
+    base = {"model": str(model), "max_model_len": workload["max_model_len"]}
+    with contextlib.ExitStack() as stack:
+        config_path: Path | None = None
+        transfer: dict[str, Any] | None = None
+        if name != "recompute":
+            address = stack.enter_context(mooncake_store(segment))
+            store_config = mooncake_config(address)
+            config_path = workdir / f"{tag}.mooncake.json"
+            config_path.write_text(json.dumps(store_config))
+            transfer = kv_transfer_config(name, store_config)
+        env = engine_env(config_path, args.kv_cache_gib)
+        result: dict[str, Any] = {"connector": transfer}
+        for role in roles:
+            logger.info("%s: %s engine", tag, role)
+            spec = {**base, **workload[role], "role": role, "kv_transfer_config": transfer}
+            if role == "load":
+                spec |= load_extra or {}
+            result[role] = run_engine(spec, workdir, f"{tag}.{role}", env)
+        return result
+
+
+# -- report ---------------------------------------------------------------------------------------
+
+
+def aiokv_available() -> str | None:
+    """Why AiokvConnector cannot run here, or None."""
+    # Located, not imported: importing the connector imports vLLM (seconds); the engines import it.
+    try:
+        if importlib.util.find_spec("aiokv.integrations.vllm.connector") is None:
+            return "aiokv.integrations.vllm.connector (AiokvConnector) is not installed"
+    except ImportError as exc:
+        return f"aiokv.integrations.vllm is not installed: {exc}"
+    return None
+
+
+def _rerun_in_namespace(argv: list[str]) -> int:
+    if shutil.which("unshare") is None:
+        logger.error("not in a private network namespace and unshare is missing")
+        return 2
+    logger.info("re-running under unshare -rn (Mooncake must not listen outside this machine)")
+    command = ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', sys.executable]
+    return subprocess.run([*command, "-m", "aiokv.bench.vllm", *argv, "--no-unshare"], check=False).returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_list = sys.argv[1:] if argv is None else list(argv)
+    args = _parser().parse_args(args_list)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(message)s",
+        stream=sys.stderr,
+    )
+    from .cli import _private_namespace
+
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown or "recompute" not in configs:
+        raise SystemExit(f"--configs must name recompute and any of {', '.join(CONFIGS)}; got {unknown}")
+    needs_store = any(c != "recompute" for c in configs)
+    if needs_store and not _private_namespace():
+        return 2 if args.no_unshare else _rerun_in_namespace(args_list)
+    missing = aiokv_available()
+    if missing is not None and any(c in AIOKV_CONFIGS for c in configs):
+        logger.warning("AiokvConnector left out: %s", missing)
+        configs = [c for c in configs if c not in AIOKV_CONFIGS]
+
+    shape = dict(MODEL_SHAPE, num_layers=args.layers)
+    block_bytes = BLOCK_SIZE * shape["num_layers"] * 2 * shape["num_kv_heads"] * shape["head_dim"] * 2
+    geometry = Geometry(BLOCK_SIZE, block_bytes)
+    workload = build_workload(args)
+    segment = max(512 << 20, 2 * stored_bytes_estimate(workload, block_bytes))
+    with contextlib.ExitStack() as stack:
+        workdir = args.keep or Path(
+            stack.enter_context(tempfile.TemporaryDirectory(prefix="aiokv-bench-vllm-"))
+        )
+        workdir.mkdir(parents=True, exist_ok=True)
+        from ..integrations.vllm.tiny_model import write_tiny_llama
+
+        model = write_tiny_llama(workdir / "model", **shape, seed=args.seed)
+        reference = run_config(
+            "recompute", workload, model, workdir, args, segment, tag="recompute", roles=("store",)
+        )
+        connectors = [c for c in configs if c != "recompute"]
+        rounds: list[dict[str, dict[str, Any]]] = []
+        for number in range(1, args.rounds + 1):
+            # Alternate the order so that a machine getting busier or quieter favours no connector.
+            order = connectors if number % 2 else connectors[::-1]
+            rounds.append(
+                {
+                    name: run_config(name, workload, model, workdir, args, segment, tag=f"{name}.r{number}")
+                    for name in order
+                }
+            )
+        # The reference loads last: it reproduces every hit boundary the connectors produced.
+        boundaries = hit_boundaries(
+            {f"{i}{n}": r for i, rs in enumerate(rounds) for n, r in rs.items()}, BLOCK_SIZE
+        )
+        load_extra = {"repeats": args.recompute_repeats, "boundaries": boundaries}
+        reference |= run_config(
+            "recompute",
+            workload,
+            model,
+            workdir,
+            args,
+            segment,
+            tag="recompute",
+            roles=("load",),
+            load_extra=load_extra,
+        )
+        rounds = [{"recompute": reference, **results} for results in rounds]
+    per_round = [round_figures(results, geometry) for results in rounds]
+    summary = summarize(median_figures(per_round))
+    checks = [check_outputs(results, "recompute") for results in rounds]
+    wrong = sorted({problem for problems, _, _ in checks for problem in problems})
+    diverged = sorted({problem for _, problems, _ in checks for problem in problems})
+    unverified = {name: sum(counts.get(name, 0) for _, _, counts in checks) for name in configs}
+    summary |= {
+        "mismatches": wrong + diverged,
+        "wrong_outputs": wrong,
+        "diverged_outputs": diverged,
+        "unverified_requests": unverified,
+        "configs": configs,
+        "aiokv_missing": missing,
+        "per_round": per_round,
+    }
+    summary["setup"] = {
+        "model": shape,
+        "block_bytes": block_bytes,
+        "args": vars(args) | {"json": None, "keep": None},
+    }
+    sys.stdout.write(format_table(summary))
+    for problem in wrong:
+        sys.stdout.write(f"WRONG OUTPUT {problem}\n")
+    for problem in diverged:
+        sys.stdout.write(f"DIVERGED LATER {problem}\n")
+    verdict = "all equal" if not wrong + diverged else f"{len(wrong)} wrong, {len(diverged)} diverged later"
+    sys.stdout.write(
+        f"greedy tokens vs the run without a connector at the same hit boundary: {verdict}; "
+        f"requests with no reference at their boundary: {unverified}\n"
+    )
+    if args.json is not None:
+        args.json.write_text(json.dumps({**summary, "raw": rounds}, indent=1, default=str))
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Smoke test of ``python -m aiokv bench vllm`` at a tiny size, on real vLLM engines and a real Mooncake.
+
+Timings are not checked (the machine is shared); what is checked: every configuration ran, the loading
+engine really got its prompt's blocks from the store, the greedy tokens agree everywhere, and the
+output comparison catches a single wrong token.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aiokv.bench import vllm as bench
+from aiokv.bench.vllm_figures import check_outputs, output_mismatches
+
+from .mooncake_support import in_ci, require_mooncake
+
+PROMPT_TOKENS = 1024
+OUTPUT_TOKENS = 4
+TINY = [
+    "--prompt-tokens", str(PROMPT_TOKENS), "--repeats", "1", "--output-tokens", str(OUTPUT_TOKENS),
+    "--probe-tokens", "512", "--probe-steps", "4", "--prefixes", "2", "--per-prefix", "4",
+    "--prefix-tokens", "1024", "--suffix-tokens", "128", "--layers", "2", "--kv-cache-gib", "1",
+]  # fmt: skip
+
+
+def require_engine() -> None:
+    """Skip (fail under CI) unless vLLM, Mooncake, a private namespace and AiokvConnector are here."""
+    require_mooncake()
+    reasons = []
+    if importlib.util.find_spec("vllm") is None:
+        reasons.append("vLLM is not installed (pip install 'aiokv[vllm]')")
+    missing = bench.aiokv_available()
+    if missing is not None:
+        reasons.append(f"AiokvConnector is not importable: {missing}")
+    if not reasons:
+        return
+    if in_ci():
+        pytest.fail("CI must run the vLLM benchmark, but: " + "; ".join(reasons), pytrace=False)
+    pytest.skip("; ".join(reasons))
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    require_engine()
+    out = tmp_path_factory.mktemp("bench-vllm") / "figures.json"
+    rc = bench.main([*TINY, "--no-unshare", "--json", str(out)])
+    result: dict[str, Any] = json.loads(out.read_text())
+    result["rc"] = rc
+    return result
+
+
+@pytest.mark.mooncake
+def test_every_configuration_runs_and_outputs_agree(tiny_run: dict[str, Any]) -> None:
+    assert tiny_run["configs"] == list(bench.CONFIGS)
+    # Several concurrent requests per stored prefix: AiokvConnector at 59ef1f5 gave wrong tokens here.
+    assert tiny_run["wrong_outputs"] == []
+    assert tiny_run["diverged_outputs"] == []  # this 2-layer model's outputs have always been exact
+    assert tiny_run["rc"] == 0
+    (results,) = tiny_run["raw"]  # one round
+    recompute_tokens = results["recompute"]["load"]["long"][0]["local"]["requests"][0]["tokens"]
+    assert len(recompute_tokens) == OUTPUT_TOKENS
+    # Every long-prompt load had a reference at its hit boundary, so all of them were compared.
+    reference = results["recompute"]["load"]["long"][0]
+    reference_runs = [*reference["external"], reference["local"], *reference["boundaries"].values()]
+    boundaries = {run["requests"][0]["cached_tokens"] for run in reference_runs}
+    for name in bench.CONFIGS:
+        for run in results[name]["load"]["long"][0]["external"]:
+            request = run["requests"][0]
+            assert request["cached_tokens"] in boundaries, name
+            assert len(request["tokens"]) == OUTPUT_TOKENS
+    assert tiny_run["unverified_requests"]["recompute"] == 0
+
+
+@pytest.mark.mooncake
+def test_loading_engine_hits_the_store(tiny_run: dict[str, Any]) -> None:
+    figures = tiny_run["figures"]
+    key = f"hit_tokens:{PROMPT_TOKENS}"
+    assert figures["recompute"][key] == 0
+    # At most every full block but the one holding the last prompt token (vLLM computes at least one).
+    most = (PROMPT_TOKENS - 1) // 128 * 128
+    for name in ("vllm", "aiokv", "aiokv-vllm-keys"):
+        assert 0 < figures[name][key] <= most, name
+        assert figures[name]["mixed_load_hit_tokens"] > 0, name
+        # (load_gbps is left out when a hit was not slower than vLLM's own cache: timing, not checked)
+        assert figures[name][f"ttft_s:{PROMPT_TOKENS}"] > 0, name
+    assert set(tiny_run["ratios"]) == {"aiokv", "aiokv-vllm-keys"}
+    assert tiny_run["goals"], "the goals against vLLM's connector were not judged"
+
+
+@pytest.mark.mooncake
+def test_a_single_wrong_token_is_caught(tiny_run: dict[str, Any]) -> None:
+    # On the reference and vLLM's own connector only, so that this control does not depend on the
+    # configuration under test being right.
+    full = tiny_run["raw"][0]
+    results = copy.deepcopy({name: full[name] for name in ("recompute", "vllm")})
+    assert output_mismatches(results, "recompute") == []
+    request = results["vllm"]["load"]["long"][0]["external"][0]["requests"][0]
+    request["tokens"][-1] = (request["tokens"][-1] + 1) % 1024
+    problems = output_mismatches(results, "recompute")
+    assert problems and all(problem.startswith("vllm:") for problem in problems)
+    wrong, diverged, _ = check_outputs(results, "recompute")
+    assert not wrong and diverged  # only the last token differs: it diverged late
+    request["tokens"][0] = (request["tokens"][0] + 1) % 1024
+    wrong, _, _ = check_outputs(results, "recompute")
+    assert wrong and all(problem.startswith("vllm:") for problem in wrong)
+
+
+def test_cli_refuses_configs_without_the_baseline(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        bench.main(["--configs", "vllm", "--json", str(tmp_path / "x.json")])
