@@ -50,6 +50,8 @@ _FULL = {"tokens": DEFAULT_TOKENS, "regions": 96, "rounds": 5}
 SUITES = {
     "layouts": ("aiokv.bench.layouts", "block-major vs layer-major caches: pairs, GIL, loop lag, GB/s"),
     "layouts-xproc": ("aiokv.bench.layouts_xproc", "prefill -> decode across processes on Mooncake"),
+    "vllm": ("aiokv.bench.vllm", "AiokvConnector vs vLLM's MooncakeStoreConnector on real engines"),
+    "cluster": ("aiokv.bench.cluster", "cross-node GB/s (worker vs direct) and recovery times in namespaces"),
     "scale": ("aiokv.bench.scale", "loop stalls finishing 10,000 requests and a 62,500-key prompt"),
 }
 
