@@ -205,6 +205,13 @@ class MooncakeBackend:
     def closed(self) -> bool:
         return self._closed
 
+    def health_check(self) -> int:
+        """The client's own ``health_check()`` (0: healthy). It still answers 0 with the master killed,
+        so the worker's circuit breaker also asks the master (a ``batch_exists``) before resuming."""
+        self._check_open()
+        with self._native() as store:
+            return int(store.health_check())
+
     # -- protocol -------------------------------------------------------------------------------
 
     def register_buffer(self, addr: int, size: int) -> None:
