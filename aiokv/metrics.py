@@ -201,9 +201,15 @@ class PrometheusExporter:
             counter(f"{n}_{name.value}", text, labels=labels) for name, (text, labels) in _COUNTERS.items()
         ]
         families += [gauge(f"{n}_{name}", text, labels=labels) for name, (text, labels) in _GAUGES.items()]
-        families.append(gauge(f"{n}_breaker_state", "Circuit breaker state (1 for the current).", labels=["state"]))
         families.append(
-            counter(f"{n}_breaker_rejected", "Requests the open circuit breaker answered at once.", labels=["kind"])
+            gauge(f"{n}_breaker_state", "Circuit breaker state (1 for the current).", labels=["state"])
+        )
+        families.append(
+            counter(
+                f"{n}_breaker_rejected",
+                "Requests the open circuit breaker answered at once.",
+                labels=["kind"],
+            )
         )
         families += [counter(f"{n}_breaker_{name}", text) for name, text in _BREAKER_COUNTERS.items()]
         return families
@@ -244,6 +250,7 @@ def register_worker_metrics(
 ) -> PrometheusExporter:
     """Register ``worker``'s statistics with ``registry`` (default: ``prometheus_client.REGISTRY``)."""
     return PrometheusExporter(worker, registry, namespace)
+
 
 # Counter families of the circuit breaker (stats()["breaker"][name]).
 _BREAKER_COUNTERS: dict[str, str] = {

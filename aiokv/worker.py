@@ -36,8 +36,8 @@ from ._validate import (
     check_layouts_reachable,
     check_tokens,
 )
-from .breaker import BreakerConfig, CircuitBreaker
 from .backends.base import DEFAULT_REGIONS_PER_CALL, Backend, backend_traits, check_backend
+from .breaker import BreakerConfig, CircuitBreaker
 from .errors import AiokvError, WorkerClosedError
 from .futures import TransferFuture
 from .keys import HashedPrompt, KeyNamespace, TokenIds, chain_seed
@@ -333,7 +333,8 @@ class KVWorker:
 
     def stats(self) -> dict[str, Any]:
         """Counters since start and recent latency summaries (see :class:`aiokv.stats.WorkerStats`);
-        ``"breaker"``: the circuit breaker's :meth:`~aiokv.breaker.CircuitBreaker.snapshot` (None without one)."""
+        ``"breaker"``: the circuit breaker's :meth:`~aiokv.breaker.CircuitBreaker.snapshot` (None
+        without one)."""
         snapshot = self._stats.snapshot()
         snapshot[StatName.BREAKER.value] = self._guard.snapshot() if self._guard is not None else None
         return snapshot

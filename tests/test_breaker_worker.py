@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -30,9 +32,9 @@ def breaker_state(worker: KVWorker) -> str:
     return str(worker.stats()["breaker"]["state"])
 
 
-async def timed(awaitable: object) -> tuple[object, float]:
+async def timed(awaitable: Awaitable[Any]) -> tuple[Any, float]:
     start = time.monotonic()
-    result = await asyncio.wait_for(awaitable, SAFETY_S)  # type: ignore[arg-type]
+    result = await asyncio.wait_for(awaitable, SAFETY_S)
     return result, time.monotonic() - start
 
 
@@ -62,11 +64,11 @@ async def test_hanging_exists_trips_it_then_requests_answer_at_once_and_a_probe_
             answer, took = await timed(worker.lookup(stored))
             assert answer == 0 and took < PROMPT_S
             load, took = await timed(worker.load(stored, dst))
-            assert load.loaded_tokens == 0 and took < PROMPT_S  # type: ignore[attr-defined]
-            assert [len(ids) for ids in load.failed_block_ids] == [len(ids) for ids in dst]  # type: ignore[attr-defined]
+            assert load.loaded_tokens == 0 and took < PROMPT_S
+            assert [len(ids) for ids in load.failed_block_ids] == [len(ids) for ids in dst]
             assert all(rig.cache[g].untouched(dst[g]) for g in range(2))
             refused, took = await timed(worker.store(rig.prompt(1), rig.blocks(1, source=True)))
-            assert refused.failed == 1 and dict(refused.errors) == {UNAVAILABLE: 2}  # type: ignore[attr-defined]
+            assert refused.failed == 1 and dict(refused.errors) == {UNAVAILABLE: 2}
             assert took < PROMPT_S
             assert rig.backend.count("exists", "put", "get") == calls
             snapshot = worker.stats()["breaker"]
@@ -170,7 +172,9 @@ async def test_a_store_inside_a_stuck_put_waits_for_it_while_lookups_answer_at_o
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("config", [None, BreakerConfig(enabled=False, stuck_after_s=0.2)], ids=["none", "off"])
+@pytest.mark.parametrize(
+    "config", [None, BreakerConfig(enabled=False, stuck_after_s=0.2)], ids=["none", "off"]
+)
 async def test_without_a_breaker_requests_wait_for_the_store_as_before(config: BreakerConfig | None) -> None:
     rig = Rig(seed=45)
     tokens, src = rig.prompt(2), rig.blocks(2, source=True)
@@ -212,3 +216,35 @@ def test_the_option_is_checked() -> None:
     with pytest.raises(TypeError, match="breaker"):
         rig.worker(breaker={"enabled": False})
     assert rig.worker().breaker is not None and rig.worker(breaker=None).breaker is None
+
+
+@pytest.mark.asyncio
+async def test_breaker_figures_are_exported_to_prometheus() -> None:
+    prometheus = pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from aiokv.metrics import PrometheusExporter
+
+    rig = Rig(seed=49)
+    registry = prometheus.CollectorRegistry()
+    lost = BackendUnavailableError("master unreachable", code=UNAVAILABLE)
+    async with rig.worker(
+        breaker=replace(FAST, failure_threshold=1, backoff_initial_s=30, backoff_max_s=30)
+    ) as worker:
+        PrometheusExporter(worker, registry)
+        rig.backend.add_rule(FaultRule(op="exists", exception=lost))
+        with pytest.raises(BackendUnavailableError):
+            await worker.lookup(rig.prompt(1))
+        assert await worker.lookup(rig.prompt(1)) == 0  # refused
+        text = prometheus.generate_latest(registry).decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    assert samples[("aiokv_breaker_state", (("state", "open"),))] == 1
+    assert samples[("aiokv_breaker_state", (("state", "closed"),))] == 0
+    assert samples[("aiokv_breaker_trips_total", ())] == 1
+    assert samples[("aiokv_breaker_failures_total", ())] == 1
+    assert samples[("aiokv_breaker_rejected_total", (("kind", "lookup"),))] == 1
+    assert samples[("aiokv_breaker_rejected_total", (("kind", "store"),))] == 0

@@ -153,7 +153,8 @@ class BreakerGuard:
     async def _watch(self) -> None:
         breaker = self.breaker
         wake = self._wake
-        assert wake is not None
+        if wake is None:
+            raise RuntimeError("start() the guard before watching")
         was_closed = True
         while True:
             # While an earlier probe thread is still held, the breaker may be due a probe that is not

@@ -41,7 +41,9 @@ class Lane(enum.Enum):
 
 
 class Lanes:
-    def __init__(self, transfer_threads: int, admit: Callable[[], BaseException | None] | None = None) -> None:
+    def __init__(
+        self, transfer_threads: int, admit: Callable[[], BaseException | None] | None = None
+    ) -> None:
         # admit: asked on the loop once a thread is free for a call; an exception refuses the call (the
         # circuit breaker: calls that waited for a thread while the store went away are not sent).
         self._admit = admit

@@ -1,10 +1,10 @@
 """A submitted request as the engine tracks it.
 
 The batch pipeline fills the data fields (hashes, keys, positions, codes, waits). The lifecycle
-fields (``state``, ``transfer_planned``, ``running_calls``, ``cancel_requested``, ``timed_out``, ``refused``, ``error``,
-``deadline_handle``) are written
-only by :class:`~aiokv._engine.tracker.RequestTracker`; everyone else reads them through
-``finished`` / ``abandoned``. Users see :class:`~aiokv.futures.TransferFuture` and results only.
+fields (``state``, ``transfer_planned``, ``running_calls``, ``cancel_requested``, ``timed_out``,
+``refused``, ``error``, ``deadline_handle``) are written only by
+:class:`~aiokv._engine.tracker.RequestTracker`; everyone else reads them through ``finished`` /
+``abandoned``. Users see :class:`~aiokv.futures.TransferFuture` and results only.
 """
 
 from __future__ import annotations

@@ -40,7 +40,11 @@ def drive(client: Any, seconds: float, seed: int) -> list[tuple[str, float, Futu
         sent.append(("lookup", offset, client.submit("lookup", seed=1, chunks=CHUNKS)))
         first = 16 + (k % 28) * CHUNKS  # 256 blocks: ring of store destinations
         sent.append(
-            ("store", offset, client.submit("store", seed=seed + k, chunks=CHUNKS, block_ids=blocks(first, CHUNKS)))
+            (
+                "store",
+                offset,
+                client.submit("store", seed=seed + k, chunks=CHUNKS, block_ids=blocks(first, CHUNKS)),
+            )
         )
         k += 1
         time.sleep(0.25)
@@ -90,7 +94,9 @@ def test_frozen_master_trips_the_breaker_then_lookups_and_stores_answer_at_once(
     tripped_at, slowest, answered = open_answers(sent, 60)
     assert tripped_at < CONFIG.stuck_after_s + 2.0  # within a few seconds of the first stuck call
     assert answered >= 10 and slowest < OPEN_ANSWER_S
-    wait_for(lambda: guarded.result("lookup", seed=1, chunks=CHUNKS) == FULL, 30, "lookups hitting again", 0.05)
+    wait_for(
+        lambda: guarded.result("lookup", seed=1, chunks=CHUNKS) == FULL, 30, "lookups hitting again", 0.05
+    )
     resume_s = time.monotonic() - thawed
     plain_s = plain_lookup.result(60)["elapsed_s"]
     record_property("frozen_trip_s", round(tripped_at, 2))
@@ -108,7 +114,9 @@ def test_frozen_master_trips_the_breaker_then_lookups_and_stores_answer_at_once(
     assert stats["rejected"]["lookup"] > 0 and stats["rejected"]["store"] > 0
 
 
-def test_killed_master_trips_the_breaker_and_a_restart_closes_it(cluster: Cluster, record_property: Any) -> None:
+def test_killed_master_trips_the_breaker_and_a_restart_closes_it(
+    cluster: Cluster, record_property: Any
+) -> None:
     guarded, _ = start(cluster)
     master = cluster.world.master
     assert master is not None
