@@ -111,7 +111,8 @@ class CircuitBreaker:
         self._opened_at: float | None = None
         self._retry_at = 0.0
         self._probe_started: float | None = None
-        self._calls: dict[int, float] = {}  # call token -> start time
+        self._calls: dict[int, float] = {}  # call token -> start time (watched for being stuck)
+        self._unwatched: dict[int, float] = {}  # calls that may legitimately run long (data transfers)
         self._last_failure_at = float("-inf")  # when the last counted failure was reported
         self._stuck_reported: set[int] = set()
         self._next_token = 1
@@ -180,12 +181,15 @@ class CircuitBreaker:
 
     # -- what the worker reports ----------------------------------------------------------------
 
-    def on_call_started(self) -> int:
-        """A backend call starts (in its thread); returns the token for :meth:`on_call_finished`."""
+    def on_call_started(self, *, watch_stuck: bool = True) -> int:
+        """A backend call starts (in its thread); returns the token for :meth:`on_call_finished`.
+
+        ``watch_stuck=False``: the call never counts as stuck however long it runs (a large transfer
+        may take longer than ``stuck_after_s``); its outcome still counts."""
         with self._lock:
             token = self._next_token
             self._next_token += 1
-            self._calls[token] = self._clock()
+            (self._calls if watch_stuck else self._unwatched)[token] = self._clock()
             return token
 
     def on_call_finished(
@@ -194,6 +198,8 @@ class CircuitBreaker:
         """The call ``token`` returned ``codes`` (per key) or raised ``error``."""
         with self._lock:
             started = self._calls.pop(token, None)
+            if started is None:
+                started = self._unwatched.pop(token, None)
             self._stuck_reported.discard(token)
             failed = error is not None and not isinstance(error, self._ignored)
             if not failed and error is None:
@@ -256,7 +262,7 @@ class CircuitBreaker:
                 "probe_failures": self._probe_failures,
                 "open_seconds_total": self._open_seconds + open_now,
                 "backoff_s": self._backoff,
-                "calls_in_flight": len(self._calls),
+                "calls_in_flight": len(self._calls) + len(self._unwatched),
             }
 
     # -- transitions (under the lock) -------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The worker's circuit breaker wiring (:mod:`aiokv.breaker` decides; this module acts).
 
 - :class:`GuardedBackend` wraps the backend the engine calls: every ``batch_exists`` / ``batch_put`` /
-  ``batch_get`` reports its start and its outcome to the breaker, in the thread running it.
+  ``batch_get`` reports its start and its outcome to the breaker, in the thread running it (only
+  existence checks count as stuck when slow: a large transfer may rightly run for seconds).
 - :meth:`BreakerGuard.allow` is asked on the loop when a request is submitted, and
   :meth:`BreakerGuard.admit` when a lane thread is free for a call (calls still waiting then are
   re-checked): while the breaker is not closed both refuse, and every request that no backend call
@@ -46,6 +47,8 @@ class GuardedBackend:
         self._on_failure = on_failure
 
     def batch_exists(self, keys: Sequence[str]) -> Any:
+        # Only existence checks count as stuck: they ask the master alone and answer in milliseconds,
+        # while a put or get of a large batch may rightly take longer than stuck_after_s.
         return self._reported(self._inner.batch_exists, False, keys)
 
     def batch_put(self, keys: Sequence[str], addrs: Any, sizes: Any) -> Any:
@@ -59,7 +62,7 @@ class GuardedBackend:
 
     def _reported(self, method: Callable[..., Any], has_codes: bool, *args: Any) -> Any:
         breaker = self._breaker
-        token = breaker.on_call_started()
+        token = breaker.on_call_started(watch_stuck=not has_codes)
         try:
             answer = method(*args)
         except BaseException as exc:
