@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from .backends.base import Backend
 from .backends.memory import MemoryBackend
+from .breaker import BreakerConfig
 from .errors import (
     AiokvError,
     BackendError,
@@ -35,6 +36,7 @@ __all__ = [
     "Backend",
     "BackendError",
     "BackendUnavailableError",
+    "BreakerConfig",
     "HashedPrompt",
     "InvalidRequestError",
     "KVLayout",

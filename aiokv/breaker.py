@@ -13,6 +13,9 @@ States::
 A failure is a call that raised (other than the caller's own errors, ``ignored_errors``), or answered a
 code in ``trip_codes`` (-900 master unreachable, -1 internal: the codes that mean the *store* failed, not
 one key). Per-key codes (-704 missing, -800 a transfer failed, -200 full) are not failures here.
+Failures are consecutive when each failed call started after the previous failure was reported: calls
+that ran side by side (the groups of one batch) and failed together count once, so one bad batch does
+not trip it, while requests failing one after another do.
 
 While OPEN or HALF_OPEN, :meth:`allow` answers False and counts the refusal per operation; the worker
 then answers at once (lookups 0 hits, stores and loads fail fast) instead of queueing behind calls
@@ -54,7 +57,7 @@ class BreakerConfig:
     """
 
     enabled: bool = True
-    failure_threshold: int = 2
+    failure_threshold: int = 3
     stuck_after_s: float = 2.0
     backoff_initial_s: float = 1.0
     backoff_max_s: float = 30.0
@@ -108,7 +111,9 @@ class CircuitBreaker:
         self._opened_at: float | None = None
         self._retry_at = 0.0
         self._probe_started: float | None = None
-        self._calls: dict[int, float] = {}  # call token -> start time
+        self._calls: dict[int, float] = {}  # call token -> start time (watched for being stuck)
+        self._unwatched: dict[int, float] = {}  # calls that may legitimately run long (data transfers)
+        self._last_failure_at = float("-inf")  # when the last counted failure was reported
         self._stuck_reported: set[int] = set()
         self._next_token = 1
         self._reason = ""
@@ -176,12 +181,15 @@ class CircuitBreaker:
 
     # -- what the worker reports ----------------------------------------------------------------
 
-    def on_call_started(self) -> int:
-        """A backend call starts (in its thread); returns the token for :meth:`on_call_finished`."""
+    def on_call_started(self, *, watch_stuck: bool = True) -> int:
+        """A backend call starts (in its thread); returns the token for :meth:`on_call_finished`.
+
+        ``watch_stuck=False``: the call never counts as stuck however long it runs (a large transfer
+        may take longer than ``stuck_after_s``); its outcome still counts."""
         with self._lock:
             token = self._next_token
             self._next_token += 1
-            self._calls[token] = self._clock()
+            (self._calls if watch_stuck else self._unwatched)[token] = self._clock()
             return token
 
     def on_call_finished(
@@ -189,7 +197,9 @@ class CircuitBreaker:
     ) -> None:
         """The call ``token`` returned ``codes`` (per key) or raised ``error``."""
         with self._lock:
-            self._calls.pop(token, None)
+            started = self._calls.pop(token, None)
+            if started is None:
+                started = self._unwatched.pop(token, None)
             self._stuck_reported.discard(token)
             failed = error is not None and not isinstance(error, self._ignored)
             if not failed and error is None:
@@ -197,7 +207,9 @@ class CircuitBreaker:
                 failed = any(int(code) in trip_codes for code in codes)
             if failed:
                 self._failures += 1
-                self._consecutive_failures += 1
+                if started is None or started >= self._last_failure_at:
+                    self._consecutive_failures += 1
+                    self._last_failure_at = self._clock()
                 if self._consecutive_failures >= self.config.failure_threshold:
                     self._trip(f"{self._consecutive_failures} consecutive failed calls")
             elif error is None:
@@ -250,7 +262,7 @@ class CircuitBreaker:
                 "probe_failures": self._probe_failures,
                 "open_seconds_total": self._open_seconds + open_now,
                 "backoff_s": self._backoff,
-                "calls_in_flight": len(self._calls),
+                "calls_in_flight": len(self._calls) + len(self._unwatched),
             }
 
     # -- transitions (under the lock) -------------------------------------------------------------

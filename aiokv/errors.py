@@ -53,3 +53,14 @@ class BackendUnavailableError(BackendError):
     def __init__(self, message: str, *, code: int | None = None, address: str | None = None) -> None:
         super().__init__(message, code=code)
         self.address = address
+
+
+class CircuitOpenError(BackendUnavailableError):
+    """The worker's circuit breaker is open: the call was not sent to the store (see docs/reliability.md).
+
+    Requests never fail with it: refused stores and loads finish with their chunks failed
+    ``UNAVAILABLE`` (-900) and lookups answer 0; it marks refused calls inside the engine.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code=-900)

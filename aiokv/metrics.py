@@ -33,9 +33,20 @@ metric                              type    labels                           ``s
                                             0.99, 1 (the maximum)
 ``aiokv_request_latency_mean_s...`` gauge   ``kind``                         ``latency``
 ``aiokv_request_latency_window``    gauge   ``kind``: requests summarised    ``latency``
+``aiokv_breaker_state``             gauge   ``state``: closed, open,         ``breaker["state"]``
+                                            half_open (1 for the current)
+``aiokv_breaker_trips_total``       counter                                  ``breaker["trips"]``
+``aiokv_breaker_rejected_total``    counter ``kind``: store, load, lookup    ``breaker["rejected"]``
+``aiokv_breaker_failures_total``    counter                                  ``breaker["failures"]``
+``aiokv_breaker_stuck_calls_total`` counter                                  ``breaker["stuck_calls"]``
+``aiokv_breaker_probes_total``      counter                                  ``breaker["probes"]``
+``aiokv_breaker_probe_failures_...``counter                                  ``breaker[...]``
+``aiokv_breaker_open_seconds_total``counter                                  ``breaker[...]``
 =================================== ======= ================================ =======================
 
-(the mean's full name is ``aiokv_request_latency_mean_seconds``). Counters count since the worker
+(the mean's full name is ``aiokv_request_latency_mean_seconds``; the breaker's
+``aiokv_breaker_probe_failures_total`` and ``aiokv_breaker_open_seconds_total``; the breaker families
+have samples only when the worker has a circuit breaker). Counters count since the worker
 started; the known label values are exported from the start, at 0, so that ``rate()`` works at once.
 Latencies are submit-to-done times over the worker's recent window of requests (see
 :mod:`aiokv.stats`), hence gauges rather than a histogram. Error codes count (chunk, group) pairs.
@@ -54,6 +65,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from .breaker import BreakerState
 from .codes import code_name
 from .errors import WorkerClosedError
 from .stats import DIRECTIONS, TRANSFER_KINDS, ChunkOutcome, Kind, Op, StatName
@@ -71,6 +83,7 @@ _INSTALL_HINT = "aiokv.metrics needs prometheus_client: pip install 'aiokv[prome
 KINDS = tuple(kind.value for kind in Kind)
 OUTCOMES = tuple(outcome.value for outcome in ChunkOutcome)
 OPS = tuple(op.value for op in Op)
+BREAKER_STATES = tuple(state.value for state in BreakerState)
 QUANTILES = (("0.5", "p50_ms"), ("0.99", "p99_ms"), ("1", "max_ms"))
 
 
@@ -169,6 +182,16 @@ class PrometheusExporter:
                 )
             families[f"{n}_request_latency_mean_seconds"].add_metric([kind], summary.mean_ms / 1e3)
             families[f"{n}_request_latency_window"].add_metric([kind], summary.count)
+        breaker = stats.get(StatName.BREAKER.value)
+        if breaker:
+            for state in BREAKER_STATES:
+                families[f"{n}_breaker_state"].add_metric([state], int(breaker["state"] == state))
+            rejected = dict.fromkeys(KINDS, 0)
+            rejected.update(breaker.get("rejected") or {})
+            for kind, count in sorted(rejected.items()):
+                families[f"{n}_breaker_rejected"].add_metric([kind], count)
+            for name in _BREAKER_COUNTERS:
+                families[f"{n}_breaker_{name}"].add_metric([], breaker.get(name, 0))
         yield from families.values()
 
     def _families(self) -> list[Any]:
@@ -178,6 +201,17 @@ class PrometheusExporter:
             counter(f"{n}_{name.value}", text, labels=labels) for name, (text, labels) in _COUNTERS.items()
         ]
         families += [gauge(f"{n}_{name}", text, labels=labels) for name, (text, labels) in _GAUGES.items()]
+        families.append(
+            gauge(f"{n}_breaker_state", "Circuit breaker state (1 for the current).", labels=["state"])
+        )
+        families.append(
+            counter(
+                f"{n}_breaker_rejected",
+                "Requests the open circuit breaker answered at once.",
+                labels=["kind"],
+            )
+        )
+        families += [counter(f"{n}_breaker_{name}", text) for name, text in _BREAKER_COUNTERS.items()]
         return families
 
 
@@ -216,3 +250,14 @@ def register_worker_metrics(
 ) -> PrometheusExporter:
     """Register ``worker``'s statistics with ``registry`` (default: ``prometheus_client.REGISTRY``)."""
     return PrometheusExporter(worker, registry, namespace)
+
+
+# Counter families of the circuit breaker (stats()["breaker"][name]).
+_BREAKER_COUNTERS: dict[str, str] = {
+    "trips": "Times the circuit breaker opened.",
+    "failures": "Backend calls the circuit breaker counted as failed (raised, or answered -900/-1).",
+    "stuck_calls": "Backend calls that ran longer than the breaker's stuck_after_s.",
+    "probes": "Health probes the circuit breaker ran.",
+    "probe_failures": "Health probes that failed or did not answer in time.",
+    "open_seconds": "Seconds the circuit breaker has been open (or half-open).",
+}

@@ -21,6 +21,7 @@ import numpy as np
 from ._arrays import as_positive_int, as_timeout
 from ._engine.config import EngineConfig
 from ._engine.dispatcher import Dispatcher
+from ._engine.guard import BreakerGuard
 from ._engine.lanes import Lane, Lanes
 from ._engine.pipeline import BatchPipeline
 from ._engine.request import Request
@@ -36,12 +37,13 @@ from ._validate import (
     check_tokens,
 )
 from .backends.base import DEFAULT_REGIONS_PER_CALL, Backend, backend_traits, check_backend
+from .breaker import BreakerConfig, CircuitBreaker
 from .errors import AiokvError, WorkerClosedError
 from .futures import TransferFuture
 from .keys import HashedPrompt, KeyNamespace, TokenIds, chain_seed
 from .layout import KVLayout
 from .results import LoadResult, StoreResult
-from .stats import Kind, WorkerStats
+from .stats import Kind, StatName, WorkerStats
 
 logger = logging.getLogger("aiokv")
 
@@ -85,6 +87,11 @@ class KVWorker:
     thread converting arguments contends with the loop for the GIL: 2 kept loop lag p99 about half of
     what 4 gave on 2 cores; existence checks and address computation have a thread of their own);
     ``pressure_backoff_s`` how long stores pause after the store answers "full" (-200).
+
+    ``breaker``: the circuit breaker's :class:`~aiokv.breaker.BreakerConfig` (on by default; ``None``
+    removes it). While the store cannot answer (calls stuck, -900/-1 answers, raised calls), lookups
+    answer 0 and stores and loads finish at once with their chunks failed ``UNAVAILABLE`` (-900)
+    instead of waiting; a probe resumes the worker once the store answers (docs/reliability.md).
     """
 
     def __init__(
@@ -99,6 +106,7 @@ class KVWorker:
         executor_threads: int = 2,
         pressure_backoff_s: float = 1.0,
         close_backend: bool = False,
+        breaker: BreakerConfig | None = BreakerConfig(),  # noqa: B008  (frozen: safe to share)
     ) -> None:
         checked_layouts = check_layouts(layouts)
         check_backend(backend)
@@ -120,11 +128,18 @@ class KVWorker:
         if not isinstance(close_backend, bool):
             raise TypeError(f"close_backend must be a bool, not {type(close_backend).__name__}")
         self._close_backend = close_backend
+        if breaker is not None and not isinstance(breaker, BreakerConfig):
+            raise TypeError(f"breaker must be a BreakerConfig or None, not {type(breaker).__name__}")
         self._can_unregister = traits.can_unregister
         self.namespace = namespace
+        self._stats = WorkerStats()
+        self._tracker = RequestTracker(self._stats, chunk_tokens)
+        self._guard = (
+            BreakerGuard(CircuitBreaker(breaker), backend, self._tracker) if breaker is not None else None
+        )
         self._config = EngineConfig(
             layouts=checked_layouts,
-            backend=backend,
+            backend=backend if self._guard is None else self._guard.backend,  # type: ignore[arg-type]
             chunk_tokens=chunk_tokens,
             seed=chain_seed(chunk_tokens),
             prefixes=tuple(
@@ -139,8 +154,6 @@ class KVWorker:
             pressure_backoff_s=backoff_s,
         )
         self._ids = itertools.count(1)
-        self._stats = WorkerStats()
-        self._tracker = RequestTracker(self._stats, chunk_tokens)
         self._state = WorkerState.NEW
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lanes: Lanes | None = None
@@ -167,6 +180,11 @@ class KVWorker:
         """The effective bound on (address, size) pairs per backend call (see the class docstring);
         calls are split by :func:`aiokv.backends.base.keys_per_call`."""
         return self._config.max_regions_per_call
+
+    @property
+    def breaker(self) -> CircuitBreaker | None:
+        """The circuit breaker (None when the worker was made with ``breaker=None``)."""
+        return self._guard.breaker if self._guard is not None else None
 
     @property
     def state(self) -> WorkerState:
@@ -197,7 +215,8 @@ class KVWorker:
         if self._state is not WorkerState.NEW:
             raise AiokvError("KVWorker.start() was already called: the worker is started")
         self._loop = asyncio.get_running_loop()
-        lanes = self._lanes = Lanes(self._threads)
+        guard = self._guard
+        lanes = self._lanes = Lanes(self._threads, guard.admit if guard is not None else None)
         try:
             for addr, size in merged_spans(self._config.layouts):
                 await lanes.run(Lane.TRANSFER, self.backend.register_buffer, addr, size)
@@ -210,6 +229,8 @@ class KVWorker:
         pipeline = BatchPipeline(self._config, self._tracker, lanes, self._stats)
         self._dispatcher = Dispatcher(pipeline.run_transfers, pipeline.run_lookups, self._max_batches)
         self._dispatcher.start()
+        if guard is not None:
+            guard.start()
         self._move(WorkerState.RUNNING)
 
     async def close(self, timeout: float | None = None) -> None:
@@ -251,6 +272,8 @@ class KVWorker:
         self._tracker.terminate(WorkerClosedError("the worker was terminated"))
         self._running_dispatcher().cancel_loops()
         self._running_lanes().terminate()
+        if self._guard is not None:
+            self._guard.stop()
 
     async def wait_closed(self) -> None:
         """Wait until every task of the worker has ended, the backend is released and the threads
@@ -272,6 +295,8 @@ class KVWorker:
             await self._release_backend()
             await self._running_lanes().shutdown()
         finally:
+            if self._guard is not None:
+                await self._guard.stopped()
             self._move(WorkerState.CLOSED)
 
     # -- submitting -----------------------------------------------------------------------------
@@ -300,14 +325,20 @@ class KVWorker:
         request = self._new_request(Kind.LOOKUP, tokens, None, None)
         if request.num_chunks == 0:
             self._tracker.finish_lookup(request, 0)
+        elif self._guard is not None and not self._guard.allow(Kind.LOOKUP):
+            self._tracker.refuse(request)
         else:
             self._running_dispatcher().submit_lookup(request)
         result: int = await request.future
         return result
 
     def stats(self) -> dict[str, Any]:
-        """Counters since start and recent latency summaries (see :class:`aiokv.stats.WorkerStats`)."""
-        return self._stats.snapshot()
+        """Counters since start and recent latency summaries (see :class:`aiokv.stats.WorkerStats`);
+        ``"breaker"``: the circuit breaker's :meth:`~aiokv.breaker.CircuitBreaker.snapshot` (None
+        without one)."""
+        snapshot = self._stats.snapshot()
+        snapshot[StatName.BREAKER.value] = self._guard.snapshot() if self._guard is not None else None
+        return snapshot
 
     def _submit(
         self, kind: Kind, tokens: TokenIds | HashedPrompt, block_ids: BlockIds, timeout: float | None
@@ -316,6 +347,8 @@ class KVWorker:
         if request.num_chunks == 0:
             request.codes = [np.zeros(0, dtype=np.int64) for _ in self._config.layouts]
             self._tracker.settle(request)
+        elif self._guard is not None and not self._guard.allow(kind):
+            self._tracker.refuse(request)
         else:
             self._running_dispatcher().submit(request)
         return request.future

@@ -252,3 +252,26 @@ def test_concurrent_reports_from_threads_are_all_counted() -> None:
         thread.join(30)
     snap = breaker.snapshot()
     assert snap["failures"] == 8000 and snap["calls_in_flight"] == 0
+
+
+def test_an_unwatched_call_never_counts_as_stuck_but_its_failure_counts() -> None:
+    breaker, clock = make(stuck_after_s=2.0, failure_threshold=1)
+    token = breaker.on_call_started(watch_stuck=False)  # a long transfer
+    clock.advance(60.0)
+    assert breaker.state is BreakerState.CLOSED and breaker.next_check_in() == math.inf
+    assert breaker.snapshot()["calls_in_flight"] == 1 and breaker.snapshot()["stuck_calls"] == 0
+    breaker.on_call_finished(token, codes=[0, -900])
+    assert breaker.state is BreakerState.OPEN and breaker.snapshot()["calls_in_flight"] == 0
+
+
+def test_calls_that_ran_side_by_side_and_failed_together_count_once() -> None:
+    breaker, clock = make(failure_threshold=2)
+    first, second = breaker.on_call_started(), breaker.on_call_started()
+    clock.advance(0.1)
+    breaker.on_call_finished(first, codes=[-900])
+    clock.advance(0.1)
+    breaker.on_call_finished(second, error=BackendUnavailableError("down"))
+    assert breaker.state is BreakerState.CLOSED  # one failure: both started before either failed
+    fail(breaker, codes=[-900])  # started after the last failure: consecutive
+    assert breaker.state is BreakerState.OPEN
+    assert breaker.snapshot()["failures"] == 3

@@ -41,7 +41,12 @@ class Lane(enum.Enum):
 
 
 class Lanes:
-    def __init__(self, transfer_threads: int) -> None:
+    def __init__(
+        self, transfer_threads: int, admit: Callable[[], BaseException | None] | None = None
+    ) -> None:
+        # admit: asked on the loop once a thread is free for a call; an exception refuses the call (the
+        # circuit breaker: calls that waited for a thread while the store went away are not sent).
+        self._admit = admit
         self._executors: dict[Lane, Any] = {
             Lane.TRANSFER: ThreadPoolExecutor(transfer_threads, thread_name_prefix="aiokv"),
             Lane.CONTROL: DaemonThread("aiokv-control_0"),
@@ -68,6 +73,10 @@ class Lanes:
         if self._terminated:  # terminated between the slot's release and this task's wake-up
             slots.release()
             raise WorkerClosedError("the worker was terminated before the call ran")
+        refusal = self._admit() if self._admit is not None else None
+        if refusal is not None:
+            slots.release()
+            raise refusal
         try:
             admitted = gate()
         except BaseException:

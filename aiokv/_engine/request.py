@@ -1,10 +1,10 @@
 """A submitted request as the engine tracks it.
 
 The batch pipeline fills the data fields (hashes, keys, positions, codes, waits). The lifecycle
-fields (``state``, ``transfer_planned``, ``running_calls``, ``cancel_requested``, ``timed_out``, ``error``,
-``deadline_handle``) are written
-only by :class:`~aiokv._engine.tracker.RequestTracker`; everyone else reads them through
-``finished`` / ``abandoned``. Users see :class:`~aiokv.futures.TransferFuture` and results only.
+fields (``state``, ``transfer_planned``, ``running_calls``, ``cancel_requested``, ``timed_out``,
+``refused``, ``error``, ``deadline_handle``) are written only by
+:class:`~aiokv._engine.tracker.RequestTracker`; everyone else reads them through ``finished`` /
+``abandoned``. Users see :class:`~aiokv.futures.TransferFuture` and results only.
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ class Request:
     running_calls: int = 0  # backend calls on its memory started and not returned (TRANSFERRING iff > 0)
     cancel_requested: bool = False
     timed_out: bool = False
+    refused: bool = False  # the circuit breaker refused one of its calls: answered "unavailable" at settle
     error: BaseException | None = None
     deadline_handle: asyncio.TimerHandle | None = None
 

@@ -19,6 +19,10 @@ Invariants (stated here once; nothing else writes these fields or settles a futu
 4. A QUEUED request is settled at once by cancel, deadline, :meth:`fail` or :meth:`terminate`; the
    pipeline then sees it ``finished`` and skips it, and :meth:`begin_call` refuses it, so none of its
    calls that has not started ever starts.
+5. A refusal by the circuit breaker (:meth:`refuse`, or :meth:`fail` with a
+   :class:`~aiokv.errors.CircuitOpenError`) is an answer, not an error: a QUEUED request is settled at
+   once (lookups 0; stores and loads a result whose undecided chunks failed ``UNAVAILABLE``), a
+   TRANSFERRING one remembers it (``refused``) and is answered so when its calls have returned.
 """
 
 from __future__ import annotations
@@ -27,7 +31,10 @@ import asyncio
 import time
 from collections.abc import Iterable
 
-from ..errors import TransferTimeoutError
+import numpy as np
+
+from ..codes import Code
+from ..errors import CircuitOpenError, TransferTimeoutError
 from ..stats import Kind, WorkerStats
 from .request import Request, State
 from .summary import load_result, lookup_length, store_result
@@ -88,6 +95,9 @@ class RequestTracker:
         error for :meth:`settle` (the first one wins)."""
         if request.finished:
             return
+        if isinstance(error, CircuitOpenError) or isinstance(error.__cause__, CircuitOpenError):
+            self.refuse(request)
+            return
         if request.state is State.TRANSFERRING or request.transfer_planned:
             if request.error is None:
                 request.error = error
@@ -106,6 +116,8 @@ class RequestTracker:
             self._settle_future(request, error=TransferTimeoutError(message))
         elif request.error is not None:
             self._settle_future(request, error=request.error)
+        elif request.refused:
+            self._settle_refused(request)
         elif request.kind is Kind.STORE:
             self._settle_future(request, value=store_result(request.codes, self._stats))
         elif request.kind is Kind.LOAD:
@@ -117,6 +129,35 @@ class RequestTracker:
     def finish_lookup(self, request: Request, length: int) -> None:
         """A lookup answered without a batch (an empty prompt)."""
         self._settle_future(request, value=length)
+
+    def refuse(self, request: Request) -> None:
+        """The circuit breaker is open: answer ``request`` now, or when its running calls return."""
+        if request.finished:
+            return
+        if request.state is State.TRANSFERRING:
+            request.refused = True  # honoured by settle() once its calls have returned
+        else:
+            self._settle_refused(request)
+
+    def queued(self) -> list[Request]:
+        """The requests no backend call is using now (what a refusal may answer at once)."""
+        return [request for request in self.active if request.state is State.QUEUED]
+
+    def _settle_refused(self, request: Request) -> None:
+        """Lookups: 0 hits. Stores and loads: the chunks still undecided fail ``UNAVAILABLE``
+        (chunks already decided keep their outcome); blocks never touched by a refused call."""
+        if request.kind is Kind.LOOKUP:
+            self._settle_future(request, value=0)
+            return
+        undecided = [int(Code.PENDING), int(Code.BACKEND_EXCEPTION)]
+        if request.codes:
+            request.codes = [
+                np.where(np.isin(codes, undecided), int(Code.UNAVAILABLE), codes) for codes in request.codes
+            ]
+        else:
+            request.codes = [np.full(request.num_chunks, int(Code.UNAVAILABLE)) for _ in request.blocks]
+        request.refused = False
+        self.settle(request)
 
     # -- asked by the user and the worker -------------------------------------------------------
 

@@ -14,7 +14,7 @@ load       fill the blocks with a sentinel, ``worker.load``, then judge every ch
 lookup     ``worker.lookup``
 direct     the same (address, size) pairs as the worker's, put or got by direct backend calls (on keys
            of their own, or the worker's with ``worker_keys``)
-guarded_lookup  a lookup through the circuit-breaker prototype (:mod:`.guarded`); ``breaker``: its stats
+breaker    the worker's circuit breaker: ``worker.stats()["breaker"]`` (None without one)
 lookup_leased  like lookup, through ``backend.batch_exists_leased`` (grants read leases)
 replicas   where the master places each chunk (``backend.replica_endpoints``): endpoints per key
 replica_read  ``backend.read_from_replicas`` of the chunks (sentinel first, bytes judged); ``size_delta``
@@ -46,6 +46,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..backends.mooncake import MooncakeBackend
+from ..breaker import BreakerConfig
 from ..keys import KeyNamespace, chunk_hashes
 from ..layout import KVLayout
 from ..worker import KVWorker
@@ -68,6 +69,14 @@ def chunk_bytes(seed: int, chunk: int, regions: int, nbytes: int) -> npt.NDArray
 
 def digest(array: npt.NDArray[np.uint8]) -> str:
     return hashlib.blake2b(np.ascontiguousarray(array).data, digest_size=8).hexdigest()
+
+
+def worker_options(options: dict[str, Any]) -> dict[str, Any]:
+    """KVWorker options from JSON: ``breaker`` is None (no breaker) or BreakerConfig's fields."""
+    options = dict(options)
+    if options.get("breaker") is not None:
+        options["breaker"] = BreakerConfig(**options["breaker"])
+    return options
 
 
 class Node:
@@ -96,10 +105,8 @@ class Node:
             namespace=self.namespace,
             chunk_tokens=self.chunk_tokens,
             close_backend=True,
-            **config.get("worker", {}),
+            **worker_options(config.get("worker", {})),
         )
-        self._guarded: Any = None
-        self.guarded_breaker: Any = None
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -207,10 +214,8 @@ class Node:
             return await loop.run_in_executor(
                 None, lambda: self.backend.batch_remove(keys, force=True).count(0)
             )
-        if op == "guarded_lookup":
-            return await self.guarded().lookup(self.keys(request)) * self.chunk_tokens
         if op == "breaker":
-            return self.guarded_breaker.snapshot() if self.guarded_breaker is not None else None
+            return self.worker.stats()["breaker"]
         if op == "lookup_leased":
             return await loop.run_in_executor(None, self.lookup_leased, self.keys(request))
         if op == "exists":
@@ -259,16 +264,6 @@ class Node:
         codes = self.backend.read_from_replicas(keys, addrs, sizes)
         verdicts, _ = self.judge(seed, chunks, block_ids)
         return {"codes": codes, "verdicts": verdicts}
-
-    def guarded(self) -> Any:
-        """The breaker-guarded lookup path (:mod:`.guarded`), made on first use."""
-        if self._guarded is None:
-            from ..breaker import BreakerConfig, CircuitBreaker
-            from .guarded import GuardedLookups
-
-            self.guarded_breaker = CircuitBreaker(BreakerConfig(**self.config.get("breaker", {})))
-            self._guarded = GuardedLookups(self.backend, self.guarded_breaker)
-        return self._guarded
 
     def lookup_leased(self, keys: list[str]) -> int:
         """Leading tokens present, asked so that each found key gets a read lease (default 10 s), during
