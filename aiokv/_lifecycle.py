@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import enum
 
+from .errors import WorkerClosedError
+
 
 class WorkerState(enum.Enum):
     NEW = "new"  # constructed; start() not called
@@ -35,3 +37,23 @@ async def to_the_end(task: asyncio.Task[None]) -> None:
             if task.done():
                 break
     task.result()
+
+
+def calling_loop(loop: asyncio.AbstractEventLoop) -> asyncio.AbstractEventLoop:
+    """``loop`` (the worker's), which must be the one running this call: a worker serves only the loop
+    it was started on (a request put on another loop's queue would stay pending forever)."""
+    try:
+        current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:
+        current = None
+    if current is loop:
+        return loop
+    if loop.is_closed():
+        raise WorkerClosedError(
+            "the worker's event loop is closed: a KVWorker serves only the event loop it was started "
+            "on (one asyncio.run()); create a new KVWorker for this loop"
+        )
+    raise RuntimeError(
+        "a KVWorker must be called on the event loop it was started on"
+        + (" (no event loop runs in this thread)" if current is None else ", not from another one")
+    )

@@ -5,6 +5,7 @@ Token values are checked later, as they are hashed, slice by slice (:mod:`aiokv.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,6 +27,17 @@ def check_layouts(layouts: Sequence[KVLayout] | KVLayout) -> tuple[KVLayout, ...
     if not checked or not all(isinstance(layout, KVLayout) for layout in checked):
         raise TypeError("layouts must be a KVLayout or a non-empty sequence of KVLayout")
     return checked
+
+
+# Tokens per key by default: large enough that pairs are 128 KiB-1 MiB across processes (Mooncake's TCP
+# path is bound by slice count), small enough that a hit loses at most 255 tokens to recomputation.
+DEFAULT_CHUNK_TOKENS = 256
+
+
+def default_chunk_tokens(layouts: Sequence[KVLayout]) -> int:
+    """:data:`DEFAULT_CHUNK_TOKENS` rounded up to a multiple of every group's block size."""
+    unit = math.lcm(*(layout.block_size for layout in layouts))
+    return -(-DEFAULT_CHUNK_TOKENS // unit) * unit
 
 
 def check_chunk_tokens(chunk_tokens: int, layouts: Sequence[KVLayout]) -> None:

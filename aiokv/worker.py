@@ -9,9 +9,9 @@ and run by :class:`~aiokv._engine.pipeline.BatchPipeline` on the threads of
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
-import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -26,7 +26,8 @@ from ._engine.lanes import Lane, Lanes
 from ._engine.pipeline import BatchPipeline
 from ._engine.request import Request
 from ._engine.tracker import RequestTracker
-from ._lifecycle import NEXT_STATES, WorkerState, to_the_end
+from ._lifecycle import NEXT_STATES, WorkerState, calling_loop, to_the_end
+from ._registration import Registration
 from ._validate import (
     BlockIds,
     check_backoff,
@@ -35,6 +36,7 @@ from ._validate import (
     check_layouts,
     check_layouts_reachable,
     check_tokens,
+    default_chunk_tokens,
 )
 from .backends.base import DEFAULT_REGIONS_PER_CALL, Backend, backend_traits, check_backend
 from .breaker import BreakerConfig, CircuitBreaker
@@ -47,24 +49,12 @@ from .stats import Kind, StatName, WorkerStats
 
 logger = logging.getLogger("aiokv")
 
-# Tokens per key by default: large enough that pairs are 128 KiB-1 MiB across processes (Mooncake's TCP
-# path is bound by slice count), small enough that a hit loses at most 255 tokens to recomputation.
-DEFAULT_CHUNK_TOKENS = 256
-
 __all__ = [
-    "DEFAULT_CHUNK_TOKENS",
     "DEFAULT_REGIONS_PER_CALL",
     "BlockIds",
     "KVWorker",
     "WorkerState",
-    "merged_spans",
 ]
-
-
-def default_chunk_tokens(layouts: Sequence[KVLayout]) -> int:
-    """:data:`DEFAULT_CHUNK_TOKENS` rounded up to a multiple of every group's block size."""
-    unit = math.lcm(*(layout.block_size for layout in layouts))
-    return -(-DEFAULT_CHUNK_TOKENS // unit) * unit
 
 
 class KVWorker:
@@ -72,9 +62,9 @@ class KVWorker:
 
     ``layouts``: one :class:`KVLayout` per KV-cache group (or a single layout). ``namespace``: a
     :class:`KeyNamespace`, or just the model name. ``chunk_tokens``: tokens per stored chunk (one key),
-    a multiple of every group's ``block_size``; by default :data:`DEFAULT_CHUNK_TOKENS` (256) rounded
-    up to such a multiple: 128 KiB-1 MiB (address, size) pairs for real models, 64 keys for a 16K
-    prompt, at most 255 matched tokens recomputed (see docs/layouts.md for the trade-off).
+    a multiple of every group's ``block_size``; by default 256 rounded up to such a multiple: 128 KiB-1
+    MiB (address, size) pairs for real models, 64 keys for a 16K prompt, at most 255 matched tokens
+    recomputed (see docs/layouts.md for the trade-off).
 
     Use ``async with KVWorker(...) as worker:`` or ``await worker.start()`` / ``await worker.close()``.
     The backend belongs to the caller: the worker registers the layouts' memory with it on start,
@@ -127,10 +117,11 @@ class KVWorker:
         self._threads = as_positive_int(executor_threads, "executor_threads")
         if not isinstance(close_backend, bool):
             raise TypeError(f"close_backend must be a bool, not {type(close_backend).__name__}")
-        self._close_backend = close_backend
         if breaker is not None and not isinstance(breaker, BreakerConfig):
             raise TypeError(f"breaker must be a BreakerConfig or None, not {type(breaker).__name__}")
-        self._can_unregister = traits.can_unregister
+        self._registration = Registration(
+            checked_layouts, backend, can_unregister=traits.can_unregister, close_backend=close_backend
+        )
         self.namespace = namespace
         self._stats = WorkerStats()
         self._tracker = RequestTracker(self._stats, chunk_tokens)
@@ -158,7 +149,6 @@ class KVWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lanes: Lanes | None = None
         self._dispatcher: Dispatcher | None = None
-        self._registered: list[int] = []
         self._finish_task: asyncio.Task[None] | None = None
 
     # -- read-only figures ----------------------------------------------------------------------
@@ -218,11 +208,9 @@ class KVWorker:
         guard = self._guard
         lanes = self._lanes = Lanes(self._threads, guard.admit if guard is not None else None)
         try:
-            for addr, size in merged_spans(self._config.layouts):
-                await lanes.run(Lane.TRANSFER, self.backend.register_buffer, addr, size)
-                self._registered.append(addr)
+            await self._registration.register(functools.partial(lanes.run, Lane.TRANSFER))
         except BaseException:
-            await self._release_backend()
+            await self._registration.release()
             lanes.shutdown_now()
             self._move(WorkerState.CLOSED)
             raise
@@ -292,7 +280,7 @@ class KVWorker:
     async def _finish(self) -> None:
         try:
             await self._running_dispatcher().wait()
-            await self._release_backend()
+            await self._registration.release()
             await self._running_lanes().shutdown()
         finally:
             if self._guard is not None:
@@ -404,24 +392,7 @@ class KVWorker:
         return self._loop
 
     def _calling_loop(self) -> asyncio.AbstractEventLoop:
-        """The worker's loop, which must be the one running this call: a worker serves only the loop
-        it was started on (a request put on another loop's queue would stay pending forever)."""
-        loop = self._running_loop()
-        try:
-            current: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-        except RuntimeError:
-            current = None
-        if current is loop:
-            return loop
-        if loop.is_closed():
-            raise WorkerClosedError(
-                "the worker's event loop is closed: a KVWorker serves only the event loop it was started "
-                "on (one asyncio.run()); create a new KVWorker for this loop"
-            )
-        raise RuntimeError(
-            "a KVWorker must be called on the event loop it was started on"
-            + (" (no event loop runs in this thread)" if current is None else ", not from another one")
-        )
+        return calling_loop(self._running_loop())
 
     def _running_dispatcher(self) -> Dispatcher:
         if self._dispatcher is None:
@@ -432,29 +403,3 @@ class KVWorker:
         if self._lanes is None:
             raise WorkerClosedError("the worker is not started")
         return self._lanes
-
-    async def _release_backend(self) -> None:
-        """Unregister our memory and, if asked to, close the backend (on a fresh thread: after
-        terminate() the lanes take no more work)."""
-        backend: Any = self.backend
-        if self._can_unregister:
-            for addr in reversed(self._registered):
-                try:
-                    await asyncio.to_thread(backend.unregister_buffer, addr)
-                except Exception as exc:
-                    logger.warning("aiokv: unregister_buffer(%#x) failed: %s", addr, exc)
-        self._registered.clear()
-        if self._close_backend:
-            await asyncio.to_thread(backend.close)
-
-
-def merged_spans(layouts: Sequence[KVLayout]) -> list[tuple[int, int]]:
-    """All regions of all groups with overlapping or touching spans merged (stores refuse overlaps)."""
-    spans = sorted(span for layout in layouts for span in layout.region_spans())
-    merged: list[list[int]] = []
-    for addr, size in spans:
-        if merged and addr <= merged[-1][0] + merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], addr + size - merged[-1][0])
-        else:
-            merged.append([addr, size])
-    return [(addr, size) for addr, size in merged]
