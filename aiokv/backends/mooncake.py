@@ -340,27 +340,10 @@ class MooncakeBackend(MooncakeExtras):
 
     def _transfer(self, op: str, keys: Sequence[str], addrs: Regions, sizes: Regions) -> list[int]:
         self._check_open()
-        check_keys(keys)
-        table = RegionTable.from_arguments(keys, addrs, sizes)
-        count = table.num_keys
-        if count == 0:
-            return []
-        rows = np.flatnonzero(self._memory.valid_keys(table))
-        codes = [int(Code.INVALID)] * count
-        if rows.size < count:
-            logger.warning(
-                "Mooncake %s: %d of %d keys have no regions or regions outside registered memory; "
-                "answered %d without calling Mooncake",
-                op,
-                count - rows.size,
-                count,
-                int(Code.INVALID),
-            )
-            if rows.size == 0:
-                return codes
-        subset = None if rows.size == count else rows
-        native_keys = list(keys) if subset is None else [keys[k] for k in rows.tolist()]
-        addr_lists, size_lists = region_lists(table, subset)
+        rows, addr_lists, size_lists, codes = self._proven_regions(op, keys, addrs, sizes)
+        if not rows:
+            return codes
+        native_keys = [keys[k] for k in rows]
         if op == "put":
             native = self._put(native_keys, addr_lists, size_lists)
         else:
@@ -370,10 +353,8 @@ class MooncakeBackend(MooncakeExtras):
                 )
             self._check_length("batch_get_into_multi_buffers", native, len(native_keys))
             self._raise_if_unavailable("batch_get_into_multi_buffers", native)
-        if subset is None:
-            return list(native)
-        for k, code in zip(rows.tolist(), native, strict=True):
-            codes[k] = code
+        for k, code in zip(rows, native, strict=True):
+            codes[k] = int(code)
         return codes
 
     def _put(self, keys: list[str], addr_lists: list[list[int]], size_lists: list[list[int]]) -> list[int]:
