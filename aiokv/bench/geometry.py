@@ -12,16 +12,15 @@ MIN_AUTO_BLOCK_BYTES = 64
 DEFAULT_E2E_BUDGET_BYTES = 3 << 30
 
 
-@dataclass(frozen=True, slots=True)
-class Geometry:
-    """Sizes of the end-to-end scenario."""
+class PromptSizes:
+    """What a scenario's sizes imply (mixed into the scenarios of the e2e and layouts benchmarks)."""
 
-    tokens: int  # tokens per prompt, whole chunks only
+    __slots__ = ()
+    tokens: int
     block_size: int
     regions: int
     chunk_tokens: int
     block_bytes: int
-    concurrency: int
 
     @property
     def chunks(self) -> int:
@@ -39,6 +38,18 @@ class Geometry:
     def prompt_bytes(self) -> int:
         """Bytes of one prompt's KV (every region of every block)."""
         return self.prompt_blocks * self.regions * self.block_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry(PromptSizes):
+    """Sizes of the end-to-end scenario."""
+
+    tokens: int  # tokens per prompt, whole chunks only
+    block_size: int
+    regions: int
+    chunk_tokens: int
+    block_bytes: int
+    concurrency: int
 
     @property
     def num_blocks(self) -> int:

@@ -17,6 +17,7 @@ import numpy as np
 
 from .._arrays import IntArray
 from ..layout import KVLayout
+from .geometry import PromptSizes
 
 KINDS = ("layer_major", "block_major", "cross_layer")
 CHUNK_TOKEN_CHOICES = (128, 256, 512, 1024, 2048, 4096)
@@ -24,7 +25,7 @@ VOCAB = 128_000
 
 
 @dataclass(frozen=True, slots=True)
-class Scenario:
+class Scenario(PromptSizes):
     tokens: int = 289 * 1024
     block_size: int = 128
     regions: int = 96
@@ -32,22 +33,6 @@ class Scenario:
     chunk_tokens: int = 128
     concurrency: int = 4
     rounds: int = 3
-
-    @property
-    def chunks(self) -> int:
-        return self.tokens // self.chunk_tokens
-
-    @property
-    def blocks_per_chunk(self) -> int:
-        return self.chunk_tokens // self.block_size
-
-    @property
-    def prompt_blocks(self) -> int:
-        return self.chunks * self.blocks_per_chunk
-
-    @property
-    def prompt_bytes(self) -> int:
-        return self.prompt_blocks * self.regions * self.block_bytes
 
 
 class LayoutCache:
