@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final, Protocol, runtime_checkable
+from types import TracebackType
+from typing import Final, Protocol, Self, runtime_checkable
 
 from ..codes import Code, code_name
 from ._regions import Regions, RegionTable, RegisteredMemory, check_keys
@@ -164,3 +165,23 @@ def keys_per_call(
         if total_bytes >= balanced * MIN_SPLIT_BYTES:
             per_call = max(1, -(-keys // balanced))
     return per_call
+
+
+class ClosingContext:
+    """``with backend:`` closes the backend on exit (the embedded and the Mooncake backend alike)."""
+
+    __slots__ = ()
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -18,7 +18,6 @@ import itertools
 import logging
 import threading
 from collections.abc import Sequence
-from types import TracebackType
 
 import numpy as np
 
@@ -29,6 +28,7 @@ from ._copies import Bytes, offsets_within_keys, select_keys
 from ._copies import gather as _gather
 from ._copies import scatter as _scatter
 from ._regions import Regions, RegionTable, RegisteredMemory, check_keys
+from .base import ClosingContext
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ NOT_FOUND, TRANSFER_FAILED = int(Code.NOT_FOUND), int(Code.TRANSFER_FAILED)
 DEFAULT_CAPACITY_BYTES = 1 << 30
 
 
-class MemoryBackend:
+class MemoryBackend(ClosingContext):
     """Keys and their bytes in this process's memory, bounded by ``capacity_bytes``.
 
     A put that does not fit answers ``NO_SPACE`` (-200) for the keys that do not fit; nothing is ever
@@ -259,17 +259,6 @@ class MemoryBackend:
     @property
     def closed(self) -> bool:
         return self._closed
-
-    def __enter__(self) -> MemoryBackend:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         return f"MemoryBackend(capacity_bytes={self.capacity_bytes}, {'closed' if self._closed else 'open'})"

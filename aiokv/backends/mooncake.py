@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -27,6 +26,7 @@ from .._arrays import BoolArray, IntArray
 from ..codes import Code, code_name
 from ..errors import BackendError, BackendUnavailableError, InvalidRequestError
 from ._regions import Regions, RegionTable, RegisteredMemory, check_keys
+from .base import ClosingContext
 from .mooncake_config import (
     CONFIG_ENV_VAR,
     DEFAULT_GLOBAL_SEGMENT_SIZE,
@@ -115,7 +115,7 @@ def region_lists(table: RegionTable, rows: IntArray | None) -> tuple[list[list[i
 _region_lists = region_lists  # the name benchmarks/mooncake_conversion.py imports
 
 
-class MooncakeBackend(MooncakeExtras):
+class MooncakeBackend(MooncakeExtras, ClosingContext):
     """The backend protocol over a Mooncake distributed store client.
 
     ``config`` is a :class:`MooncakeConfig`, a dict, a JSON file path, or ``None`` to read the file
@@ -320,17 +320,6 @@ class MooncakeBackend(MooncakeExtras):
         self._check_length("batch_remove", codes, len(keys))
         self._raise_if_unavailable("batch_remove", codes)
         return list(codes)
-
-    def __enter__(self) -> MooncakeBackend:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
