@@ -1,8 +1,8 @@
 """One node of a cluster world: a process with its own Mooncake client, a toy paged KV cache and a
 ``KVWorker``, driven over a pipe by JSON lines.
 
-Run as ``python -m aiokv.bench.cluster_node CONFIG_JSON`` inside a node's namespace (the client side,
-:class:`aiokv.bench.cluster_client.NodeClient`, does this). It prints ``{"ready": true}`` once connected,
+Run as ``python -m aiokv.testing.cluster.node CONFIG_JSON`` inside a node's namespace (the client side,
+:class:`aiokv.testing.cluster.client.NodeClient`, does this). It prints ``{"ready": true}`` once connected,
 then answers one line per request line. Requests run concurrently; each names an ``id`` and an ``op``:
 
 =========  =====================================================================================
@@ -45,11 +45,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..backends.mooncake import MooncakeBackend
-from ..breaker import BreakerConfig
-from ..keys import KeyNamespace, chunk_hashes
-from ..layout import KVLayout
-from ..worker import KVWorker
+from ...backends.mooncake import MooncakeBackend
+from ...breaker import BreakerConfig
+from ...keys import KeyNamespace, chunk_hashes
+from ...layout import KVLayout
+from ...worker import KVWorker
 
 SENTINEL = 0xEE
 MODEL = "cluster"
