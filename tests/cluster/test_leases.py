@@ -33,7 +33,7 @@ def test_a_chunk_found_by_the_workers_lookup_holds_the_read_lease() -> None:
         looked_up, control = 1, 2
         for seed, first in ((looked_up, 0), (control, 16)):
             assert writer.result("store", seed=seed, chunks=chunks, block_ids=blocks(first, chunks))["stored"]
-        time.sleep(lease_s * 1.25)  # the puts' own leases are over
+        time.sleep(lease_s * 1.25)  # the leases the writer's own existence checks granted are over
         assert reader.result("lookup", seed=looked_up, chunks=chunks) == chunks * CHUNK_TOKENS
         held = writer.result("remove", seed=looked_up, chunks=chunks, force=False)[:chunks]
         unheld = writer.result("remove", seed=control, chunks=chunks, force=False)[:chunks]
@@ -70,7 +70,8 @@ def test_chunks_found_by_lookup_survive_eviction_until_the_load(record_property:
             looked_up, control = 1000 + round_, 2000 + round_
             writer.result("store", seed=looked_up, chunks=CHUNKS, block_ids=blocks(0, CHUNKS))
             writer.result("store", seed=control, chunks=CHUNKS, block_ids=blocks(CHUNKS, CHUNKS))
-            time.sleep(LEASE_MS / 1000 * 1.2)  # the puts' own leases are over: both prompts are evictable
+            # The leases the writer's existence checks granted (it confirms its puts) run out: both evictable.
+            time.sleep(LEASE_MS / 1000 * 1.2)
             started = time.monotonic()
             found = reader.result("lookup", seed=looked_up, chunks=CHUNKS) // CHUNK_TOKENS
             pressure_seeds = [5000 + 10 * round_ + j for j in range(PRESSURE_STORES)]
