@@ -1,5 +1,5 @@
 """MooncakeBackend's extras beyond the protocol, against a real master on loopback: reads straight from a
-replica (``read_from_replicas``), leased lookups, replica endpoints, ``health_check``. The node-loss case
+replica (``read_from_replicas``), replica endpoints, ``health_check``. The node-loss case
 (a replica's node SIGKILLed) is in tests/cluster/test_replicas.py."""
 
 from __future__ import annotations
@@ -97,20 +97,17 @@ def test_bad_arguments_and_a_closed_backend_raise(
     for call in (
         lambda: backend.read_from_replicas(["a"], [[1]], [[1]]),
         backend.health_check,
-        lambda: backend.batch_exists_leased(["a"]),
         lambda: backend.replica_endpoints(["a"]),
     ):
         with pytest.raises(BackendError, match="closed"):
             call()
 
 
-def test_leased_lookup_endpoints_and_health(backend: MooncakeBackend) -> None:
+def test_endpoints_and_health(backend: MooncakeBackend) -> None:
     src = random_bytes(8 * KiB, seed=14)
     present, absent = unique_keys(2)
     with registered(backend, src) as s:
         assert backend.batch_put([present], [[s]], [[4 * KiB]]) == [OK]
-    assert backend.batch_exists_leased([present, absent, present]) == [True, False, True]
-    assert backend.batch_exists_leased([]) == []
     where = backend.replica_endpoints([present, absent])
     assert where[absent] == [] and len(where[present]) == 1
     assert where[present][0].startswith("127.0.0.1:")

@@ -87,7 +87,13 @@ class Backend(Protocol):
         ...
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        """Presence of each key; raises ``BackendError`` if the store cannot answer."""
+        """Presence of each key; raises ``BackendError`` if the store cannot answer.
+
+        ``worker.lookup`` answers with it, and an engine loads what a lookup found a few milliseconds
+        later: a store that evicts should keep each key it answers present for a while (Mooncake grants
+        its read lease, ``default_kv_lease_ttl``, 10 s by default). Without that a load still reports a
+        chunk evicted in between as failed, never its bytes as loaded.
+        """
         ...
 
     def batch_put(self, keys: Sequence[str], addrs: Regions, sizes: Regions) -> list[int]:

@@ -242,6 +242,8 @@ class MooncakeBackend(MooncakeExtras, ClosingContext):
         if not len(keys):
             return []
         with self._native() as store:
+            # The master grants each key found its read lease (default_kv_lease_ttl): found now, not
+            # evicted before a load within the lease (tests/cluster/test_leases.py).
             codes = store.batch_is_exist(list(keys))
         self._check_length("batch_is_exist", codes, len(keys))
         present = []

@@ -1,8 +1,8 @@
 """What :class:`~aiokv.backends.mooncake.MooncakeBackend` offers beyond the Backend protocol: reads
-straight from a replica (for the window after a replica's node died), lookups that grant read leases,
-replica endpoints and the client's health. Each refuses a closed backend and proves every local region
-inside registered memory before any native call, like the protocol's calls (docs/backends.md, "Beyond
-the protocol").
+straight from a replica (for the window after a replica's node died), replica endpoints and the client's
+health. Each refuses a closed backend and proves every local region inside registered memory before any
+native call, like the protocol's calls (docs/backends.md, "Beyond the protocol"). There is no "leased
+lookup" here: ``batch_exists`` already grants each key it finds the master's read lease.
 """
 
 from __future__ import annotations
@@ -34,9 +34,6 @@ class MooncakeExtras:
 
         def _check_open(self) -> None: ...
         def _native(self) -> AbstractContextManager[Any]: ...
-        @staticmethod
-        def _check_length(call: str, codes: Sequence[int], expected: int) -> None: ...
-        def _raise_if_unavailable(self, call: str, codes: Sequence[int]) -> None: ...
 
     def read_from_replicas(self, keys: Sequence[str], addrs: Regions, sizes: Regions) -> list[int]:
         """Read keys whose get failed (-800) straight from a complete memory replica, per key the bytes
@@ -75,22 +72,6 @@ class MooncakeExtras:
         self._check_open()
         with self._native() as store:
             return int(store.health_check())
-
-    def batch_exists_leased(self, keys: Sequence[str]) -> list[bool]:
-        """Like :meth:`batch_exists`, and every present key gets the master's read lease
-        (``default_kv_lease_ttl``, 10 s by default) during which it is not evicted: a lookup made this way
-        keeps its chunks until the load (Mooncake's get session; ``batch_is_exist`` grants no lease)."""
-        self._check_open()
-        check_keys(keys)
-        if not len(keys):
-            return []
-        with self._native() as store:
-            codes = store.batch_get_session_start(list(keys))
-            # Drops only the client's cached replica lists; the master's lease stays.
-            store.batch_get_session_end(list(keys))
-        self._check_length("batch_get_session_start", codes, len(keys))
-        self._raise_if_unavailable("batch_get_session_start", codes)
-        return [code == 0 for code in codes]
 
     def _proven_regions(
         self, call: str, keys: Sequence[str], addrs: Regions, sizes: Regions

@@ -1,4 +1,4 @@
-"""Cross-node figures in a private namespace world (see :mod:`.cluster_world`).
+"""Cross-node figures in a private namespace world (see :mod:`aiokv.testing.cluster`).
 
 1. Throughput: a prompt (default 128 MiB) stored by node 1 into node 0's segment and loaded by node 2,
    through each node's ``KVWorker`` and by direct backend batch calls over the same (address, size)
@@ -21,8 +21,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .cluster_client import NodeClient, node_config
-from .cluster_world import ClusterWorld, world_unavailable_reason
+from ..testing.cluster.client import NodeClient, node_config
+from ..testing.cluster.world import ClusterWorld, world_unavailable_reason
 
 REGIONS = 64
 BLOCK_LEN = 16 << 10

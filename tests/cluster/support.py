@@ -1,7 +1,7 @@
 """What the cluster tests share: the skip/fail rule, a world with nodes, and the honesty check of a load.
 
-A node runs in its own network namespace with its own Mooncake client and KVWorker
-(:mod:`aiokv.bench.cluster_node`); nodes with an even index run asyncio, odd ones uvloop, so every
+The world and its nodes are :mod:`aiokv.testing.cluster`: a node runs in its own network namespace with
+its own Mooncake client and KVWorker; nodes with an even index run asyncio, odd ones uvloop, so every
 cross-node test drives both event loops.
 """
 
@@ -14,12 +14,11 @@ from typing import Any
 
 import pytest
 
-from aiokv.bench.cluster_client import NodeClient, node_config
-
-__all__ = ["NodeClient"]
-from aiokv.bench.cluster_world import ClusterWorld, world_unavailable_reason
+from aiokv.testing.cluster import Cluster, NodeClient, world_unavailable_reason
 
 from ..mooncake_support import in_ci
+
+__all__ = ["Cluster", "NodeClient"]
 
 CHUNK_TOKENS = 16  # one 16-token block per chunk: 8 regions x 16 KiB = 128 KiB per chunk
 # Bounds on waits that must end (not speed assertions): every request of these tests must finish
@@ -39,36 +38,12 @@ def require_cluster() -> None:
     pytest.skip(reason)
 
 
-class Cluster:
-    """A started world and the nodes a test started in it; :meth:`close` stops all of them."""
-
-    def __init__(self, world: ClusterWorld) -> None:
-        self.world = world
-        self.nodes: dict[int, NodeClient] = {}
-
-    def node(self, index: int, **config: Any) -> NodeClient:
-        config.setdefault("loop", "uvloop" if index % 2 else "asyncio")
-        config.setdefault("chunk_tokens", CHUNK_TOKENS)
-        client = NodeClient(self.world, index, node_config(self.world, index, **config))
-        self.nodes[index] = client
-        return client
-
-    def close(self) -> None:
-        # Killed, not closed: Mooncake's close takes 1-2 s per client and the master goes with them.
-        for client in self.nodes.values():
-            client.kill()
-            client.close(timeout=1)
-        self.world.close()
-
-
 @contextlib.contextmanager
 def cluster_world(nodes: int = 3, master_args: Sequence[str] = ()) -> Iterator[Cluster]:
+    """A started world (skipped, or failed under CI, where none can be built); nodes use 16-token chunks."""
     require_cluster()
-    cluster = Cluster(ClusterWorld(nodes, master_args=master_args).start())
-    try:
+    with Cluster(nodes, master_args=master_args) as cluster:
         yield cluster
-    finally:
-        cluster.close()
 
 
 def blocks(first: int, count: int) -> list[int]:

@@ -1,6 +1,17 @@
-"""A chunk found by lookup can be evicted before load reads it. Measured under memory pressure, with a
-plain lookup (``batch_is_exist``, no lease) and with a leased one (``batch_get_session_start``, which
-grants each found key Mooncake's read lease). Either way a load never reports wrong bytes."""
+"""A chunk found by ``worker.lookup`` must still be there when ``worker.load`` reads it.
+
+Mooncake never evicts (nor removes without ``force``) an object within its read lease
+(``default_kv_lease_ttl``), and its existence check, ``batch_is_exist``, which ``worker.lookup`` uses,
+grants that lease to every key it finds (the master's ``BatchExistKey`` calls ``GrantLease``). Both
+tests go through the node's ``lookup`` op, i.e. ``worker.lookup`` on another node than the writer's:
+
+- the lease itself, deterministically: right after the lookup a non-forced remove of the found keys
+  answers -706 (``OBJECT_HAS_LEASE``), once the lease is over it succeeds; keys nobody looked up are
+  removable at once;
+- under memory pressure: per round one prompt looked up and one not (the control), then competing
+  stores that make the master evict, then both loaded. A looked-up chunk is never gone at a load within
+  its lease; the control shows the pressure evicts; never a wrong byte either way.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +19,31 @@ import time
 from concurrent.futures import wait
 from typing import Any
 
-import pytest
+from .support import CHUNK_TOKENS, REQUEST_BOUND_S, blocks, check_honest_load, cluster_world
 
-from .support import REQUEST_BOUND_S, blocks, check_honest_load, cluster_world
+OBJECT_HAS_LEASE = -706
 
-LEASE_MS = 500
+
+def test_a_chunk_found_by_the_workers_lookup_holds_the_read_lease() -> None:
+    lease_s = 2.0
+    with cluster_world(3, master_args=(f"--default_kv_lease_ttl={int(lease_s * 1000)}",)) as cluster:
+        cluster.node(0, segment_size=64 << 20)
+        reader, writer = cluster.node(1), cluster.node(2)
+        chunks = 8
+        looked_up, control = 1, 2
+        for seed, first in ((looked_up, 0), (control, 16)):
+            assert writer.result("store", seed=seed, chunks=chunks, block_ids=blocks(first, chunks))["stored"]
+        time.sleep(lease_s * 1.25)  # the leases the writer's own existence checks granted are over
+        assert reader.result("lookup", seed=looked_up, chunks=chunks) == chunks * CHUNK_TOKENS
+        held = writer.result("remove", seed=looked_up, chunks=chunks, force=False)[:chunks]
+        unheld = writer.result("remove", seed=control, chunks=chunks, force=False)[:chunks]
+        assert held == [OBJECT_HAS_LEASE] * chunks, "the worker's lookup granted no read lease"
+        assert unheld == [0] * chunks, "keys nobody looked up were held too: the test shows nothing"
+        time.sleep(lease_s * 1.25)
+        assert writer.result("remove", seed=looked_up, chunks=chunks, force=False)[:chunks] == [0] * chunks
+
+
+LEASE_MS = 1000
 CHUNKS = 32  # 4 MiB per prompt; the 32 MiB segment evicts above 60 %
 MASTER_ARGS = (
     f"--default_kv_lease_ttl={LEASE_MS}",
@@ -23,51 +54,63 @@ ROUNDS = 12
 PRESSURE_STORES = 6
 
 
-@pytest.mark.parametrize("lookup", ["lookup", "lookup_leased"])
-def test_chunks_evicted_between_lookup_and_load(lookup: str, record_property: Any) -> None:
+def lost_chunks(reply: dict[str, Any], block_ids: list[int], expected: int) -> int:
+    """Of the first ``expected`` chunks, how many the (honest) load did not load."""
+    loaded = set(check_honest_load(reply, block_ids))
+    return sum(1 for chunk in range(expected) if chunk not in loaded)
+
+
+def test_chunks_found_by_lookup_survive_eviction_until_the_load(record_property: Any) -> None:
     with cluster_world(3, master_args=MASTER_ARGS) as cluster:
         cluster.node(0, segment_size=32 << 20)
         reader = cluster.node(1)
         writer = cluster.node(2, worker={"pressure_backoff_s": 0.0})
-        found_total = lost_total = rounds_within_lease = pressure_failed = 0
+        found_total = lost_in_lease = lost_after_lease = control_lost = rounds_in_lease = refused = 0
         for round_ in range(ROUNDS):
-            seed = 1000 + round_
-            writer.result("store", seed=seed, chunks=CHUNKS, block_ids=blocks(0, CHUNKS))
-            time.sleep(LEASE_MS / 1000 * 1.2)  # the put's own lease has run out: the prompt is evictable
+            looked_up, control = 1000 + round_, 2000 + round_
+            writer.result("store", seed=looked_up, chunks=CHUNKS, block_ids=blocks(0, CHUNKS))
+            writer.result("store", seed=control, chunks=CHUNKS, block_ids=blocks(CHUNKS, CHUNKS))
+            # The leases the writer's existence checks granted (it confirms its puts) run out: both evictable.
+            time.sleep(LEASE_MS / 1000 * 1.2)
             started = time.monotonic()
-            found = reader.result(lookup, seed=seed, chunks=CHUNKS) // 16
+            found = reader.result("lookup", seed=looked_up, chunks=CHUNKS) // CHUNK_TOKENS
+            pressure_seeds = [5000 + 10 * round_ + j for j in range(PRESSURE_STORES)]
             pressure = [
-                writer.submit(
-                    "store",
-                    seed=5000 + 10 * round_ + j,
-                    chunks=CHUNKS,
-                    block_ids=blocks(64 + j * CHUNKS, CHUNKS),
-                )
-                for j in range(PRESSURE_STORES)
+                writer.submit("store", seed=seed, chunks=CHUNKS, block_ids=blocks(64 + j * CHUNKS, CHUNKS))
+                for j, seed in enumerate(pressure_seeds)
             ]
             wait(pressure, REQUEST_BOUND_S * 2)
-            pressure_failed += sum(future.result()["result"]["failed"] for future in pressure)
+            refused += sum(future.result()["result"]["failed"] for future in pressure)
             target = blocks(200, CHUNKS)
             loaded = reader.result(
-                "load", seed=seed, chunks=CHUNKS, block_ids=target, timeout=REQUEST_BOUND_S
+                "load", seed=looked_up, chunks=CHUNKS, block_ids=target, timeout=REQUEST_BOUND_S
             )
             within_lease = time.monotonic() - started < LEASE_MS / 1000
-            check_honest_load(loaded, target)
-            # Emptied for the next round: the next prompt is then the only object old enough to evict.
-            writer.result("remove", seed=seed, chunks=CHUNKS)
-            for j in range(PRESSURE_STORES):
-                writer.result("remove", seed=5000 + 10 * round_ + j, chunks=CHUNKS)
-            lost = max(0, found - loaded["loaded_tokens"] // 16)
-            if lookup == "lookup_leased" and within_lease:
-                assert lost == 0, "a chunk under the lookup's read lease was evicted"
+            lost = lost_chunks(loaded, target, found)  # also: every chunk right or reported failed
+            control_reply = reader.result(
+                "load", seed=control, chunks=CHUNKS, block_ids=target, timeout=REQUEST_BOUND_S
+            )
+            control_lost += lost_chunks(control_reply, target, CHUNKS)
+            if within_lease:
+                assert lost == 0, f"round {round_}: {lost} chunks under the lookup's read lease were evicted"
+            # Emptied for the next round: its prompts are then the oldest objects, the first evicted.
+            for seed in (looked_up, control, *pressure_seeds):
+                writer.result("remove", seed=seed, chunks=CHUNKS)
             found_total += found
-            rounds_within_lease += within_lease
-            lost_total += lost
-        record_property("looked_up_chunks", found_total)
-        record_property("evicted_before_load", lost_total)
-        print(
-            f"{lookup}: {lost_total} of {found_total} looked-up chunks were gone at load "
-            f"({rounds_within_lease} of {ROUNDS} rounds loaded within the lease; "
-            f"{pressure_failed} competing chunks refused for space)"
-        )
-        assert found_total > 0  # the measurement measured something
+            rounds_in_lease += within_lease
+            lost_in_lease += lost if within_lease else 0
+            lost_after_lease += 0 if within_lease else lost
+        figures = {
+            "looked_up_chunks": found_total,
+            "rounds_loaded_within_lease": rounds_in_lease,
+            "lost_within_lease": lost_in_lease,
+            "lost_after_lease": lost_after_lease,
+            "control_lost": control_lost,
+            "pressure_chunks_refused": refused,
+        }
+        for name, value in figures.items():
+            record_property(name, value)
+        print(f"leases: {figures} (of {ROUNDS} rounds x {CHUNKS} chunks)")
+        assert found_total > 0
+        # The pressure evicted chunks nobody held: a lease was what kept the looked-up ones.
+        assert control_lost > 0, f"no control chunk was evicted: the rounds measured nothing ({figures})"

@@ -33,9 +33,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ..backends.mooncake_master import MooncakeMaster, find_master_executable
+from ...backends.mooncake_master import MooncakeMaster, find_master_executable
 
-logger = logging.getLogger("aiokv.bench.cluster")
+logger = logging.getLogger("aiokv.testing.cluster")
 
 SUBNET = "10.77.0"
 MASTER_HOST = f"{SUBNET}.254"
@@ -201,7 +201,7 @@ class ClusterWorld:
     """The namespaces, the bridge, the links and the master; a context manager.
 
     ``nodes`` node namespaces ``node0..`` get addresses ``10.77.0.1..``; the master has ``10.77.0.254``.
-    Node processes are started by :class:`aiokv.bench.cluster_node.NodeClient` in :meth:`node_namespace`.
+    Node processes run in ``nodes[i]`` (started there by :class:`aiokv.testing.cluster.client.NodeClient`).
     """
 
     def __init__(self, nodes: int = 3, *, lifetime_s: float = 900.0, master_args: Sequence[str] = ()) -> None:
@@ -297,7 +297,7 @@ def world_unavailable_reason() -> str | None:
         return f"{', '.join(missing)} not found (apt-get install util-linux iproute2)"
     try:
         find_master_executable()
-        from ..backends.mooncake import _import_store
+        from ...backends.mooncake import _import_store
 
         _import_store()
     except (ImportError, FileNotFoundError) as exc:

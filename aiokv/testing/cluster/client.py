@@ -1,5 +1,6 @@
-"""The driver's side of a cluster node: start ``aiokv.bench.cluster_node`` in a node's namespace and
-talk to it over its pipe (see that module for the operations and replies)."""
+"""The driver's side of a cluster: :class:`NodeClient` starts ``aiokv.testing.cluster.node`` in a node's
+namespace and talks to it over its pipe (see that module for the operations and replies);
+:class:`Cluster` is a started world with the nodes started in it, stopped together."""
 
 from __future__ import annotations
 
@@ -13,14 +14,16 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
-from .cluster_world import ClusterWorld, stop_process
+from .world import ClusterWorld, stop_process
 
-logger = logging.getLogger("aiokv.bench.cluster")
+logger = logging.getLogger("aiokv.testing.cluster")
 
 # Mooncake reads these at setup; the per-peer queues must be deep enough for large cross-node batches.
 NODE_ENV = {
@@ -92,7 +95,7 @@ class NodeClient:
         fd, log_name = tempfile.mkstemp(prefix=f"aiokv-{self.name}-", suffix=".log")
         self.log_path = Path(log_name)
         env = {**os.environ, **NODE_ENV, "MC_TCP_BIND_ADDRESS": self.address}
-        argv = [sys.executable, "-m", "aiokv.bench.cluster_node", json.dumps(config)]
+        argv = [sys.executable, "-m", "aiokv.testing.cluster.node", json.dumps(config)]
         self.process = world.nodes[index].popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=fd, env=env, text=True, bufsize=1
         )
@@ -194,3 +197,40 @@ class NodeClient:
                 stop_process(self.process, 5.0, signal.SIGKILL)
         self._reader.join(5)
         self.log_path.unlink(missing_ok=True)
+
+
+class Cluster:
+    """A started :class:`ClusterWorld` and the nodes started in it; a context manager.
+    :meth:`close` kills every node, then closes the world (everything by pid).
+
+    ``Cluster(3, master_args=["--default_kv_lease_ttl=500"])`` builds and starts the world (raises if it
+    cannot: check :func:`~aiokv.testing.cluster.world.world_unavailable_reason` first);
+    ``cluster.node(0, segment_size=64 << 20)`` starts node 0 (options: :func:`node_config`; nodes with
+    an odd index run uvloop unless ``loop`` says otherwise).
+    """
+
+    def __init__(self, nodes: int = 3, *, master_args: Sequence[str] = ()) -> None:
+        self.world = ClusterWorld(nodes, master_args=master_args).start()
+        self.nodes: dict[int, NodeClient] = {}
+
+    def node(self, index: int, **config: Any) -> NodeClient:
+        config.setdefault("loop", "uvloop" if index % 2 else "asyncio")
+        client = NodeClient(self.world, index, node_config(self.world, index, **config))
+        self.nodes[index] = client
+        return client
+
+    def close(self) -> None:
+        # Killed, not closed: Mooncake's close takes 1-2 s per client and the master goes with them.
+        for client in self.nodes.values():
+            client.kill()
+            client.close(timeout=1)
+        self.nodes.clear()
+        self.world.close()
+
+    def __enter__(self) -> Cluster:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()

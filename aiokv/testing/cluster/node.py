@@ -1,8 +1,8 @@
 """One node of a cluster world: a process with its own Mooncake client, a toy paged KV cache and a
 ``KVWorker``, driven over a pipe by JSON lines.
 
-Run as ``python -m aiokv.bench.cluster_node CONFIG_JSON`` inside a node's namespace (the client side,
-:class:`aiokv.bench.cluster_client.NodeClient`, does this). It prints ``{"ready": true}`` once connected,
+Run as ``python -m aiokv.testing.cluster.node CONFIG_JSON`` inside a node's namespace (the client side,
+:class:`aiokv.testing.cluster.client.NodeClient`, does this). It prints ``{"ready": true}`` once connected,
 then answers one line per request line. Requests run concurrently; each names an ``id`` and an ``op``:
 
 =========  =====================================================================================
@@ -15,12 +15,12 @@ lookup     ``worker.lookup``
 direct     the same (address, size) pairs as the worker's, put or got by direct backend calls (on keys
            of their own, or the worker's with ``worker_keys``)
 breaker    the worker's circuit breaker: ``worker.stats()["breaker"]`` (None without one)
-lookup_leased  like lookup, through ``backend.batch_exists_leased`` (grants read leases)
 replicas   where the master places each chunk (``backend.replica_endpoints``): endpoints per key
 replica_read  ``backend.read_from_replicas`` of the chunks (sentinel first, bytes judged); ``size_delta``
            shrinks each chunk's last region, ``unregistered`` reads into memory never registered
 exists     ``backend.batch_exists`` of the prompt's keys
-remove     force-remove the prompt's keys (the worker's and the ``direct`` ones of ``tag``)
+remove     remove the prompt's keys (the worker's and the ``direct`` ones of ``tag``), forced unless
+           ``force: false`` (then a key under a read lease answers -706); replies the codes
 health     ``backend.health_check()``
 stats      ``worker.stats()``
 exit       close the worker and the client, then exit
@@ -45,11 +45,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from ..backends.mooncake import MooncakeBackend
-from ..breaker import BreakerConfig
-from ..keys import KeyNamespace, chunk_hashes
-from ..layout import KVLayout
-from ..worker import KVWorker
+from ...backends.mooncake import MooncakeBackend
+from ...breaker import BreakerConfig
+from ...keys import KeyNamespace, chunk_hashes
+from ...layout import KVLayout
+from ...worker import KVWorker
 
 SENTINEL = 0xEE
 MODEL = "cluster"
@@ -211,13 +211,10 @@ class Node:
             return await loop.run_in_executor(None, self.fill, seed, chunks, request["block_ids"])
         if op == "remove":
             keys = self.keys(request) + self.direct_keys(request)
-            return await loop.run_in_executor(
-                None, lambda: self.backend.batch_remove(keys, force=True).count(0)
-            )
+            force = bool(request.get("force", True))
+            return await loop.run_in_executor(None, lambda: self.backend.batch_remove(keys, force=force))
         if op == "breaker":
             return self.worker.stats()["breaker"]
-        if op == "lookup_leased":
-            return await loop.run_in_executor(None, self.lookup_leased, self.keys(request))
         if op == "exists":
             return await loop.run_in_executor(None, self.backend.batch_exists, self.keys(request))
         if op == "health":
@@ -264,12 +261,6 @@ class Node:
         codes = self.backend.read_from_replicas(keys, addrs, sizes)
         verdicts, _ = self.judge(seed, chunks, block_ids)
         return {"codes": codes, "verdicts": verdicts}
-
-    def lookup_leased(self, keys: list[str]) -> int:
-        """Leading tokens present, asked so that each found key gets a read lease (default 10 s), during
-        which it is not evicted."""
-        present = self.backend.batch_exists_leased(keys)
-        return next((k for k, found in enumerate(present) if not found), len(present)) * self.chunk_tokens
 
     def replicas(self, keys: list[str]) -> dict[str, list[str]]:
         """Endpoints holding each key's replicas, from the master (diagnostics)."""
