@@ -27,34 +27,27 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, replace
 from typing import Any, TextIO
 
 import numpy as np
 
 from .._arrays import IntArray
+from ..backends._regions import RegisteredMemory
+from ..backends.mooncake_calls import CallForm, call_form, prove
 from ..keys import KeyNamespace, chunk_hashes
-from ..layout import KVLayout
 from ..runner import run
 from ..worker import DEFAULT_REGIONS_PER_CALL, KVWorker
+from .gil import best_ms as _best_ms
 from .layout_caches import KINDS, VOCAB, LayoutCache, Scenario, chunk_token_table, pairs_per_request
 from .loop_lag import measure_loop_lag
 
 
-def _best_ms(fn: Callable[[], object], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best * 1e3
-
-
 class ConversionProbe:
-    """A raw ``mooncake.store`` client: ``convert(addr_lists, size_lists)`` hands the binding one key
-    with every list, which it converts (holding the GIL) and then refuses with -600 (or -704, a missing
-    key, when there is one list), moving nothing."""
+    """A raw ``mooncake.store`` client: ``convert(form, keys)`` hands the binding a call's argument lists
+    with one key more than they have, which it converts (holding the GIL) and then refuses with -600
+    per key for the length mismatch, moving nothing and asking nothing of the master."""
 
     def __init__(self, master_address: str) -> None:
         from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped]
@@ -64,56 +57,89 @@ class ConversionProbe:
         if rc != 0:
             raise RuntimeError(f"mooncake setup for the conversion probe failed: {rc}")
 
-    def convert(self, addr_lists: list[list[int]], size_lists: list[list[int]]) -> None:
-        codes = list(self.store.batch_get_into_multi_buffers(["aiokv-probe"], addr_lists, size_lists, False))
-        if codes != [-600] and codes != [-704]:
-            raise RuntimeError(f"the conversion probe answered {codes}, expected [-600] or [-704]")
+    def convert(self, form: CallForm, keys_and_one: list[str]) -> None:
+        codes = list(form.get(self.store, keys_and_one, False))
+        if codes != [-600] * len(keys_and_one):
+            raise RuntimeError(f"the conversion probe answered {sorted(set(codes))}, expected only -600")
 
     def close(self) -> None:
         self.store.close()
 
 
+def _memory_of(cache: LayoutCache) -> RegisteredMemory:
+    memory = RegisteredMemory()
+    for array in cache.arrays:
+        memory.add(array.ctypes.data, array.nbytes)
+    return memory
+
+
 def gil_per_request(
-    layout: KVLayout, matrix: IntArray, max_regions_per_call: int, probe: ConversionProbe | None, repeats: int
+    cache: LayoutCache,
+    matrix: IntArray,
+    keys: list[str],
+    max_regions_per_call: int,
+    probe: ConversionProbe | None,
+    repeats: int,
 ) -> dict[str, Any]:
-    """GIL-held pieces of one request in ms (best of ``repeats``): ``prepare`` (regions_for_chunks),
-    ``lists`` (the int lists the binding converts fastest, split into calls as the worker does) and
-    ``conversion`` (the binding converting them; Mooncake only)."""
+    """GIL-held pieces of one request on the Mooncake path in ms (best of ``repeats``, summed over the
+    request's calls, split as the worker splits them): ``prepare`` (``regions_for_chunks``),
+    ``backend`` (MooncakeBackend's own Python: the keys' checks, the memory proof, the lists of the form
+    it calls, the answers; :mod:`aiokv.backends.mooncake_calls`), and ``conversion`` (the binding
+    converting keys and lists; Mooncake only). The ``multi_`` figures: the same with the multi-buffer
+    form every call took before (the baseline, same run)."""
+    layout = cache.layout
     prepare_ms = _best_ms(lambda: layout.regions_for_chunks(matrix), repeats)
-    calls: list[tuple[IntArray, IntArray]] = []
+    memory = _memory_of(cache)
+    calls: list[tuple[list[str], IntArray, IntArray]] = []
     for batch in layout.regions_for_chunks(matrix):
         per_call = max(1, max_regions_per_call // batch.addrs.shape[1])
         calls.extend(
-            (batch.addrs[s : s + per_call], batch.sizes[s : s + per_call])
+            (
+                [keys[r] for r in batch.rows[s : s + per_call].tolist()],
+                batch.addrs[s : s + per_call],
+                batch.sizes[s : s + per_call],
+            )
             for s in range(0, batch.rows.size, per_call)
         )
 
-    def lists(addrs: IntArray, sizes: IntArray) -> tuple[list[list[int]], list[list[int]]]:
-        return addrs.tolist(), [sizes[0].tolist()] * len(sizes)
+    def backend_part(call_keys: list[str], addrs: IntArray, sizes: IntArray, multi: bool) -> CallForm:
+        proven = prove(memory, "put", call_keys, addrs, sizes)
+        form = call_form(proven, "put", prefer_same_node=multi)  # the option rules the flat form out
+        answers = [int(n) for n in sizes.sum(axis=1).tolist()]  # a get's answers as the store gives them
+        form.get_answers(answers)
+        return form
 
-    lists_ms = 0.0
-    for addrs, sizes in calls:
-        lists_ms += _best_ms(functools.partial(lists, addrs, sizes), repeats)
-    conversion_ms: float | None = None
-    if probe is not None:
-        conversion_ms = 0.0
-        for addrs, sizes in calls:
-            conversion_ms += _best_ms(functools.partial(probe.convert, *lists(addrs, sizes)), repeats)
-    total = prepare_ms + lists_ms + (conversion_ms or 0.0)
-    return {
-        "prepare_ms": prepare_ms,
-        "lists_ms": lists_ms,
-        "conversion_ms": conversion_ms,
-        "total_ms": total,
-        "calls": len(calls),
-    }
+    figures: dict[str, Any] = {"prepare_ms": prepare_ms, "calls": len(calls)}
+    for prefix, multi in (("", False), ("multi_", True)):
+        backend_ms, conversion_ms, flat = 0.0, 0.0, True
+        for call_keys, addrs, sizes in calls:
+            part = functools.partial(backend_part, call_keys, addrs, sizes, multi)
+            backend_ms += _best_ms(part, repeats)
+            form = part()
+            flat = flat and form.flat
+            if probe is not None:
+                convert = functools.partial(probe.convert, form, [*call_keys, "aiokv-probe-one-more"])
+                conversion_ms += _best_ms(convert, repeats)
+        figures[f"{prefix}backend_ms"] = backend_ms
+        figures[f"{prefix}conversion_ms"] = conversion_ms if probe is not None else None
+        figures[f"{prefix}total_ms"] = prepare_ms + backend_ms + conversion_ms
+        figures[f"{prefix}flat"] = flat
+    return figures
 
 
-def _summary(
-    runs: list[tuple[list[float], float, float]], moved_bytes: int, requests: int
-) -> dict[str, float]:
-    walls = [wall for _, _, wall in runs]
-    lags = [lag for run_lags, _, _ in runs for lag in run_lags]
+Run = tuple[list[float], list[float], float, float]  # lags, loop busy per tick (ms), CPU s, wall s
+
+
+async def _measured(work: Callable[[], Awaitable[None]]) -> Run:
+    busy: list[float] = []
+    lags, cpu, wall = await measure_loop_lag(work, busy=busy)
+    return lags, busy, cpu, wall
+
+
+def _summary(runs: list[Run], moved_bytes: int, requests: int) -> dict[str, float]:
+    walls = [wall for *_, wall in runs]
+    lags = [lag for run in runs for lag in run[0]]
+    busy = [ms for run in runs for ms in run[1]]
     return {
         "wall_best_ms": min(walls) * 1e3,
         "gbps_best": moved_bytes / min(walls) / 1e9,
@@ -121,8 +147,25 @@ def _summary(
         "lag_p50_ms": float(np.percentile(lags, 50)) if lags else 0.0,
         "lag_p99_ms": float(np.percentile(lags, 99)) if lags else 0.0,
         "lag_max_ms": max(lags, default=0.0),
-        "cpu_per_request_ms": statistics.median(cpu for _, cpu, _ in runs) / requests * 1e3,
+        # CPU the loop's own thread used between two 1 ms ticks: what the loop ran (the rest of a
+        # lag is waiting for the GIL, held by transfer threads, or for a core).
+        "busy_p99_ms": float(np.percentile(busy, 99)) if busy else 0.0,
+        "busy_max_ms": max(busy, default=0.0),
+        "cpu_per_request_ms": statistics.median(run[2] for run in runs) / requests * 1e3,
     }
+
+
+def request_keys(cache: LayoutCache, s: Scenario) -> list[str]:
+    """One request's keys as the worker names them (namespace prefix, chunk hashes)."""
+    prefix = KeyNamespace("aiokv-layouts-gil").prefix(cache.layout.fingerprint, 0)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, size=s.tokens, dtype=np.int64)
+    return [prefix + h for h in chunk_hashes(tokens, s.chunk_tokens)]
+
+
+async def idle_lag_p99_ms(seconds: float = 1.0) -> float:
+    """The loop's lag p99 with nothing to do: what the machine's other load alone costs."""
+    lags, _, _ = await measure_loop_lag(functools.partial(asyncio.sleep, seconds))
+    return float(np.percentile(lags, 99))
 
 
 async def _through_worker(backend: Any, cache: LayoutCache, s: Scenario, seed: int) -> dict[str, Any]:
@@ -164,19 +207,21 @@ async def _through_worker(backend: Any, cache: LayoutCache, s: Scenario, seed: i
             raise RuntimeError(f"bytes differ after a store and a load through the {cache.layout} layout")
         cache.clear(cache.block_sets[1])
         remove(check)
-        stores: list[tuple[list[float], float, float]] = []
+        idle_ms = await idle_lag_p99_ms()
+        stores: list[Run] = []
         for r in range(s.rounds + 1):
             prompts = [prompt() for _ in range(c)]
-            measured = await measure_loop_lag(functools.partial(store, prompts))
+            measured = await _measured(functools.partial(store, prompts))
             remove(prompts)
             if r:  # round 0 warms pages, allocator and threads up
                 stores.append(measured)
         prompts = [prompt() for _ in range(c)]
         await store(prompts)
-        loads = [await measure_loop_lag(lambda: load(prompts)) for _ in range(s.rounds + 1)][1:]
+        loads = [await _measured(lambda: load(prompts)) for _ in range(s.rounds + 1)][1:]
         remove(prompts)
     moved = c * s.prompt_bytes
-    return {"store": _summary(stores, moved, c), "load": _summary(loads, moved, c)}
+    store_figures, load_figures = _summary(stores, moved, c), _summary(loads, moved, c)
+    return {"store": store_figures, "load": load_figures, "idle_lag_p99_ms": idle_ms}
 
 
 @contextlib.contextmanager
@@ -216,9 +261,9 @@ def run_layouts_benchmark(
     say = progress or (lambda _: None)
     capacity = int(s.concurrency * s.prompt_bytes * 1.3) + (64 << 20)
     result: dict[str, Any] = {"scenario": asdict(s), "backend": backend, "layouts": {}}
-    # The loop's lag with nothing to do: what the machine's other load alone costs (a shared box).
-    idle, _, _ = run(measure_loop_lag(functools.partial(asyncio.sleep, 1.0)))
-    result["idle_lag_p99_ms"] = float(np.percentile(idle, 99))
+    # The loop's lag with nothing to do: what the machine's other load alone costs (a shared box);
+    # each layout measures it again just before its rounds.
+    result["idle_lag_p99_ms"] = run(idle_lag_p99_ms())
     with open_backend(backend, master, capacity) as (store, probe):
         max_regions = int(getattr(store, "max_regions_per_call", DEFAULT_REGIONS_PER_CALL))
         for kind in KINDS:
@@ -231,7 +276,9 @@ def run_layouts_benchmark(
             figures: dict[str, Any] = {
                 "pairs_per_chunk": cache.layout.pairs_per_chunk(s.blocks_per_chunk),
                 "pairs_per_request": pairs_per_request(cache.layout, matrix),
-                "gil": gil_per_request(cache.layout, matrix, max_regions, probe, repeats=max(3, s.rounds)),
+                "gil": gil_per_request(
+                    cache, matrix, request_keys(cache, s), max_regions, probe, repeats=max(5, s.rounds)
+                ),
             }
             gil_ms = figures["gil"]["total_ms"]
             say(f"{kind}: {figures['pairs_per_request']:,} pairs per request; GIL {gil_ms:.2f} ms")
@@ -244,6 +291,7 @@ def run_layouts_benchmark(
         kind: {
             "pairs_per_request": layer["pairs_per_request"] / block["pairs_per_request"],
             "gil_total": layer["gil"]["total_ms"] / block["gil"]["total_ms"],
+            "gil_multi_over_flat": block["gil"]["multi_total_ms"] / block["gil"]["total_ms"],
             **{
                 f"{op}_{figure}": layer[op][figure] / max(block[op][figure], 1e-9)
                 for op in ("store", "load")
@@ -266,21 +314,27 @@ def print_report(result: dict[str, Any], out: TextIO) -> None:
     )
     rows = []
     for kind, f in result["layouts"].items():
-        g = f["gil"]
+        g, st, ld = f["gil"], f["store"], f["load"]
         conversion = "-" if g["conversion_ms"] is None else f"{g['conversion_ms']:.2f}"
         rows.append(
             f"  {kind:12} {f['pairs_per_chunk']:>6} {f['pairs_per_request']:>10,} {g['prepare_ms']:>8.2f} "
-            f"{g['lists_ms']:>7.2f} {conversion:>8} {g['total_ms']:>7.2f} "
-            f"{f['store']['gbps_best']:>6.2f} {f['store']['lag_p99_ms']:>6.2f} "
-            f"{f['load']['gbps_best']:>6.2f} {f['load']['lag_p99_ms']:>6.2f} "
-            f"{f['store']['cpu_per_request_ms']:>7.1f} {f['load']['cpu_per_request_ms']:>7.1f}"
+            f"{g['backend_ms']:>7.2f} {conversion:>8} {g['total_ms']:>7.2f} {g['multi_total_ms']:>7.2f} "
+            f"{st['gbps_best']:>6.2f} {st['lag_p99_ms']:>6.2f} {st['busy_p99_ms']:>6.2f} "
+            f"{ld['gbps_best']:>6.2f} {ld['lag_p99_ms']:>6.2f} {ld['busy_p99_ms']:>6.2f} "
+            f"{f['idle_lag_p99_ms']:>6.2f} {st['cpu_per_request_ms']:>7.1f} {ld['cpu_per_request_ms']:>7.1f}"
         )
     out.write(
-        "  layout       pairs/  pairs/req  prepare   lists  convert  GIL ms  store  store   load   load"
-        "  st CPU  ld CPU\n               chunk                   ms      ms       ms   /req   GB/s  p99ms"
-        "   GB/s  p99ms  ms/req  ms/req\n"
+        "  layout       pairs/  pairs/req  prepare   aiokv  convert  GIL ms   multi  store  store  store"
+        "   load   load   load   idle  st CPU  ld CPU\n"
+        "               chunk                   ms      ms       ms   /req  GIL ms   GB/s  lag99 busy99"
+        "   GB/s  lag99 busy99  lag99  ms/req  ms/req\n"
     )
     out.write("\n".join(rows) + "\n")
+    out.write(
+        "  GIL: one request's regions_for_chunks + MooncakeBackend's Python (aiokv) + the binding's "
+        "conversion; multi: the same through the multi-buffer calls (before). lag99/busy99: the loop's lag "
+        "p99 and its own CPU p99 per 1 ms tick (ms); idle: lag p99 of the idle loop just before.\n"
+    )
     for kind, ratios in result["ratios_layer_major_over"].items():
         text = ", ".join(f"{k} {v:.1f}x" for k, v in ratios.items())
         out.write(f"  layer_major / {kind}: {text}\n")

@@ -94,27 +94,37 @@ def _layout(regions: int, block_size: int, num_blocks: int) -> KVLayout:
     return KVLayout([(1 << 32) + i * span for i in range(regions)], [block_len], block_size, num_blocks)
 
 
+async def tick(
+    stop: asyncio.Event, lags: list[float], busy: list[float] | None = None, *, tick_s: float = 0.001
+) -> None:
+    """Until ``stop``: wake every ``tick_s`` and append how late each wake was (loop lag, ms) to ``lags``,
+    and to ``busy`` the CPU the loop's own thread used meanwhile (ms): what the loop ran, excluding the
+    time it waited for the GIL or for a core, so it stays meaningful on a loaded machine."""
+    while not stop.is_set():
+        started, cpu = time.perf_counter(), time.thread_time()
+        await asyncio.sleep(tick_s)
+        lags.append((time.perf_counter() - started - tick_s) * 1e3)
+        if busy is not None:
+            busy.append((time.thread_time() - cpu) * 1e3)
+
+
 async def measure_loop_lag(
-    run: Callable[[], Awaitable[None]], *, tick_s: float = 0.001
+    run: Callable[[], Awaitable[None]], *, tick_s: float = 0.001, busy: list[float] | None = None
 ) -> tuple[list[float], float, float]:
-    """Run ``run()`` while a ticker records loop lag; returns (lags in ms, CPU s, wall s)."""
+    """Run ``run()`` while a ticker records loop lag; returns (lags in ms, CPU s, wall s). ``busy``, when
+    given, receives the loop thread's CPU per tick (see :func:`tick`)."""
     lags: list[float] = []
     stop = asyncio.Event()
-
-    async def ticker() -> None:
-        while not stop.is_set():
-            started = time.perf_counter()
-            await asyncio.sleep(tick_s)
-            lags.append((time.perf_counter() - started - tick_s) * 1e3)
-
-    tick = asyncio.create_task(ticker())
+    ticker = asyncio.create_task(tick(stop, lags, busy, tick_s=tick_s))
     await asyncio.sleep(0.01)  # ticker running before the work starts
     lags.clear()
+    if busy is not None:
+        busy.clear()
     cpu0, wall0 = time.process_time(), time.perf_counter()
     await run()
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     stop.set()
-    await tick
+    await ticker
     return lags, cpu, wall
 
 
