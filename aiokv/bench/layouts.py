@@ -5,11 +5,13 @@ with one cache allocated three ways (layer-major, block-major per-layer views, o
 see :mod:`aiokv.bench.layout_caches`) and described with :meth:`KVLayout.from_tensors`.
 
 For each: (address, size) pairs per request, the GIL-held pieces of one request on the Mooncake path
-(``regions_for_chunks``, building the int lists the binding takes, and with ``--backend mooncake`` the
-binding's own argument conversion, timed on a raw ``mooncake.store`` client), and through
-:class:`~aiokv.KVWorker` with ``--concurrency`` concurrent stores and loads: wall time, GB/s, loop lag
-and CPU per request. Bytes are verified once per layout. A table of ``chunk_tokens`` choices follows
-(keys, pairs and bytes per pair per request).
+(:mod:`aiokv.bench.layouts_gil`: ``regions_for_chunks``, MooncakeBackend's own Python, and with
+``--backend mooncake`` the binding's conversion timed on a raw ``mooncake.store`` client; for the call
+form the backend takes and for the multi-buffer form as the baseline), and through
+:class:`~aiokv.KVWorker` with ``--concurrency`` concurrent stores and loads: wall time, GB/s, CPU per
+request, and per 1 ms tick the loop's lag, its own CPU (busy) and its wait for a core, next to the idle
+loop's lag measured just before. Bytes are verified once per layout. A table of ``chunk_tokens``
+choices follows (keys, pairs and bytes per pair per request).
 
 Run: ``python -m aiokv.bench.layouts [--backend mooncake]`` (Mooncake in a private network namespace:
 ``unshare -rn sh -c 'ip link set lo up && python -m aiokv.bench.layouts --backend mooncake'``).
@@ -29,139 +31,57 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, replace
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 import numpy as np
 
-from .._arrays import IntArray
-from ..backends._regions import RegisteredMemory
-from ..backends.mooncake_calls import CallForm, call_form, prove
 from ..keys import KeyNamespace, chunk_hashes
 from ..runner import run
 from ..worker import DEFAULT_REGIONS_PER_CALL, KVWorker
-from .gil import best_ms as _best_ms
 from .layout_caches import KINDS, VOCAB, LayoutCache, Scenario, chunk_token_table, pairs_per_request
+from .layouts_gil import ConversionProbe, gil_per_request, request_keys
 from .loop_lag import measure_loop_lag
 
 
-class ConversionProbe:
-    """A raw ``mooncake.store`` client: ``convert(form, keys)`` hands the binding a call's argument lists
-    with one key more than they have, which it converts (holding the GIL) and then refuses with -600
-    per key for the length mismatch, moving nothing and asking nothing of the master."""
+class Run(NamedTuple):
+    """One timed round: per 1 ms tick the loop's lag, its own CPU and its wait for a core (ms)."""
 
-    def __init__(self, master_address: str) -> None:
-        from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped]
-
-        self.store = MooncakeDistributedStore()
-        rc = self.store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master_address)
-        if rc != 0:
-            raise RuntimeError(f"mooncake setup for the conversion probe failed: {rc}")
-
-    def convert(self, form: CallForm, keys_and_one: list[str]) -> None:
-        codes = list(form.get(self.store, keys_and_one, False))
-        if codes != [-600] * len(keys_and_one):
-            raise RuntimeError(f"the conversion probe answered {sorted(set(codes))}, expected only -600")
-
-    def close(self) -> None:
-        self.store.close()
-
-
-def _memory_of(cache: LayoutCache) -> RegisteredMemory:
-    memory = RegisteredMemory()
-    for array in cache.arrays:
-        memory.add(array.ctypes.data, array.nbytes)
-    return memory
-
-
-def gil_per_request(
-    cache: LayoutCache,
-    matrix: IntArray,
-    keys: list[str],
-    max_regions_per_call: int,
-    probe: ConversionProbe | None,
-    repeats: int,
-) -> dict[str, Any]:
-    """GIL-held pieces of one request on the Mooncake path in ms (best of ``repeats``, summed over the
-    request's calls, split as the worker splits them): ``prepare`` (``regions_for_chunks``),
-    ``backend`` (MooncakeBackend's own Python: the keys' checks, the memory proof, the lists of the form
-    it calls, the answers; :mod:`aiokv.backends.mooncake_calls`), and ``conversion`` (the binding
-    converting keys and lists; Mooncake only). The ``multi_`` figures: the same with the multi-buffer
-    form every call took before (the baseline, same run)."""
-    layout = cache.layout
-    prepare_ms = _best_ms(lambda: layout.regions_for_chunks(matrix), repeats)
-    memory = _memory_of(cache)
-    calls: list[tuple[list[str], IntArray, IntArray]] = []
-    for batch in layout.regions_for_chunks(matrix):
-        per_call = max(1, max_regions_per_call // batch.addrs.shape[1])
-        calls.extend(
-            (
-                [keys[r] for r in batch.rows[s : s + per_call].tolist()],
-                batch.addrs[s : s + per_call],
-                batch.sizes[s : s + per_call],
-            )
-            for s in range(0, batch.rows.size, per_call)
-        )
-
-    def backend_part(
-        call_keys: list[str], addrs: IntArray, sizes: IntArray, answers: list[int], multi: bool
-    ) -> CallForm:
-        proven = prove(memory, "put", call_keys, addrs, sizes)
-        form = call_form(proven, "put", prefer_same_node=multi)  # the option rules the flat form out
-        form.get_answers(answers)
-        return form
-
-    figures: dict[str, Any] = {"prepare_ms": prepare_ms, "calls": len(calls)}
-    for prefix, multi in (("", False), ("multi_", True)):
-        backend_ms, conversion_ms, flat = 0.0, 0.0, True
-        for call_keys, addrs, sizes in calls:
-            answers = sizes.sum(axis=1).tolist()  # a get's answers as the store gives them
-            part = functools.partial(backend_part, call_keys, addrs, sizes, answers, multi)
-            backend_ms += _best_ms(part, repeats)
-            form = part()
-            flat = flat and form.flat
-            if probe is not None:
-                convert = functools.partial(probe.convert, form, [*call_keys, "aiokv-probe-one-more"])
-                conversion_ms += _best_ms(convert, repeats)
-        figures[f"{prefix}backend_ms"] = backend_ms
-        figures[f"{prefix}conversion_ms"] = conversion_ms if probe is not None else None
-        figures[f"{prefix}total_ms"] = prepare_ms + backend_ms + conversion_ms
-        figures[f"{prefix}flat"] = flat
-    return figures
-
-
-Run = tuple[list[float], list[float], float, float]  # lags, loop busy per tick (ms), CPU s, wall s
+    lags: list[float]
+    busy: list[float]
+    core_waits: list[float]
+    cpu_s: float
+    wall_s: float
 
 
 async def _measured(work: Callable[[], Awaitable[None]]) -> Run:
     busy: list[float] = []
-    lags, cpu, wall = await measure_loop_lag(work, busy=busy)
-    return lags, busy, cpu, wall
+    core_waits: list[float] = []
+    lags, cpu, wall = await measure_loop_lag(work, busy=busy, core_waits=core_waits)
+    return Run(lags, busy, core_waits, cpu, wall)
 
 
-def _summary(runs: list[Run], moved_bytes: int, requests: int) -> dict[str, float]:
-    walls = [wall for *_, wall in runs]
-    lags = [lag for run in runs for lag in run[0]]
-    busy = [ms for run in runs for ms in run[1]]
+def _summary(runs: list[Run], moved_bytes: int, requests: int) -> dict[str, float | None]:
+    walls = [run.wall_s for run in runs]
+    lags = np.array([lag for run in runs for lag in run.lags])
+    busy = np.array([ms for run in runs for ms in run.busy])
+    waits = np.array([ms for run in runs for ms in run.core_waits])
+    p99 = float(np.percentile(lags, 99)) if lags.size else 0.0
+    worst = lags >= p99  # the ticks at or past the p99: what they were made of
     return {
         "wall_best_ms": min(walls) * 1e3,
         "gbps_best": moved_bytes / min(walls) / 1e9,
         "gbps_median": moved_bytes / statistics.median(walls) / 1e9,
-        "lag_p50_ms": float(np.percentile(lags, 50)) if lags else 0.0,
-        "lag_p99_ms": float(np.percentile(lags, 99)) if lags else 0.0,
-        "lag_max_ms": max(lags, default=0.0),
+        "lag_p50_ms": float(np.percentile(lags, 50)) if lags.size else 0.0,
+        "lag_p99_ms": p99,
+        "lag_max_ms": float(lags.max()) if lags.size else 0.0,
         # CPU the loop's own thread used between two 1 ms ticks: what the loop ran (the rest of a
-        # lag is waiting for the GIL, held by transfer threads, or for a core).
-        "busy_p99_ms": float(np.percentile(busy, 99)) if busy else 0.0,
-        "busy_max_ms": max(busy, default=0.0),
-        "cpu_per_request_ms": statistics.median(run[2] for run in runs) / requests * 1e3,
+        # lag is waiting for a core or for the GIL).
+        "busy_p99_ms": float(np.percentile(busy, 99)) if busy.size else 0.0,
+        "worst_lag_ms": float(lags[worst].mean()) if lags.size else 0.0,
+        "worst_busy_ms": float(busy[worst].mean()) if busy.size == lags.size and lags.size else None,
+        "worst_core_wait_ms": float(waits[worst].mean()) if waits.size == lags.size and lags.size else None,
+        "cpu_per_request_ms": statistics.median(run.cpu_s for run in runs) / requests * 1e3,
     }
-
-
-def request_keys(cache: LayoutCache, s: Scenario) -> list[str]:
-    """One request's keys as the worker names them (namespace prefix, chunk hashes)."""
-    prefix = KeyNamespace("aiokv-layouts-gil").prefix(cache.layout.fingerprint, 0)
-    tokens = np.random.default_rng(0).integers(0, VOCAB, size=s.tokens, dtype=np.int64)
-    return [prefix + h for h in chunk_hashes(tokens, s.chunk_tokens)]
 
 
 async def idle_lag_p99_ms(seconds: float = 1.0) -> float:
@@ -332,6 +252,17 @@ def print_report(result: dict[str, Any], out: TextIO) -> None:
         "   GB/s  lag99 busy99  lag99  ms/req  ms/req\n"
     )
     out.write("\n".join(rows) + "\n")
+    for kind, f in result["layouts"].items():
+        parts = []
+        for op in ("store", "load"):
+            x = f[op]
+            if x["worst_busy_ms"] is not None and x["worst_core_wait_ms"] is not None:
+                parts.append(
+                    f"{op} {x['worst_lag_ms']:.2f} ms = loop CPU {x['worst_busy_ms']:.2f} + core wait "
+                    f"{x['worst_core_wait_ms']:.2f} + the rest (GIL)"
+                )
+        if parts:
+            out.write(f"  {kind}: ticks lagging >= p99, mean: " + "; ".join(parts) + "\n")
     out.write(
         "  GIL: one request's regions_for_chunks + MooncakeBackend's Python (aiokv) + the binding's "
         "conversion; multi: the same through the multi-buffer calls (before). lag99/busy99: the loop's lag "
