@@ -508,6 +508,25 @@ def test_one_region_per_key_takes_the_flat_calls(
         ]
 
 
+@pytest.mark.parametrize("regions_per_key", [1, 2], ids=["flat", "multi-buffer"])
+def test_a_key_repeated_in_one_get_fills_every_region(
+    mooncake_backend: MooncakeBackend, regions_per_key: int
+) -> None:
+    """Mooncake alone fills only the last region of a key given twice in one get and answers success for
+    both; the backend makes one call per repetition instead."""
+    src, dst = random_bytes(16 << 10, seed=24), np.zeros(64 << 10, np.uint8)
+    a, b = unique_keys(2)
+    split = [1000, 3096] if regions_per_key == 2 else [4096]
+    with registered(mooncake_backend, src) as s, registered(mooncake_backend, dst) as d:
+        assert mooncake_backend.batch_put([a, b], [[s], [s + 8192]], [[4096], [4096]]) == [OK, OK]
+        keys = [a, b, a, a, b]
+        addrs = [[d + i * 8192 + sum(split[:j]) for j in range(len(split))] for i in range(5)]
+        assert mooncake_backend.batch_get(keys, addrs, [split] * 5) == [4096] * 5
+    for i, key in enumerate(keys):
+        at = 8192 * (key == b)
+        assert np.array_equal(dst[i * 8192 : i * 8192 + 4096], src[at : at + 4096]), i
+
+
 def test_prefer_alloc_in_same_node_keeps_the_multi_buffer_calls(
     mooncake_master: MooncakeMaster, mooncake_backend_factory: Callable[..., MooncakeBackend]
 ) -> None:

@@ -25,7 +25,7 @@ from ..codes import Code, code_name
 from ..errors import BackendError, BackendUnavailableError, InvalidRequestError
 from ._regions import Regions, RegionTable, RegisteredMemory, check_keys
 from .base import ClosingContext
-from .mooncake_calls import CallForm, call_form, prove, region_lists
+from .mooncake_calls import CallForm, call_form, distinct_rounds, prove, region_lists
 from .mooncake_config import (
     CONFIG_ENV_VAR,
     DEFAULT_GLOBAL_SEGMENT_SIZE,
@@ -310,17 +310,28 @@ class MooncakeBackend(MooncakeExtras, ClosingContext):
         if op == "put":
             native = self._put(batch.keys, form)
         else:
-            with self._native() as store:
-                answer = form.get(store, batch.keys, self.config.prefer_alloc_in_same_node)
-            self._check_length(form.get_name, answer, len(batch.keys))
-            self._raise_if_unavailable(form.get_name, answer)
-            native = form.get_answers(answer)
+            rounds = distinct_rounds(batch.keys)
+            if rounds is None:
+                native = self._get(batch.keys, form)
+            else:
+                native = [0] * len(batch.keys)
+                for positions in rounds:
+                    answers = self._get([batch.keys[k] for k in positions], form.only(positions))
+                    for k, code in zip(positions, answers, strict=True):
+                        native[k] = code
         if batch.subset is None:  # every key proven: the answers are the codes
             return native
         codes = batch.codes
         for k, code in zip(batch.rows, native, strict=True):
             codes[k] = code
         return codes
+
+    def _get(self, keys: list[str], form: CallForm) -> list[int]:
+        with self._native() as store:
+            answer = form.get(store, keys, self.config.prefer_alloc_in_same_node)
+        self._check_length(form.get_name, answer, len(keys))
+        self._raise_if_unavailable(form.get_name, answer)
+        return form.get_answers(answer)
 
     def _put(self, keys: list[str], form: CallForm) -> list[int]:
         """One native batch put, and up to :attr:`put_retries` more of the keys that failed -800.

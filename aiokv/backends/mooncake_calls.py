@@ -18,6 +18,9 @@ where the flat form differs, which :class:`CallForm` rules out or maps back:
   first: such a put takes the multi-buffer form;
 * ``prefer_alloc_in_same_node``: the flat put refuses it (-600) and the flat get has no such argument:
   with it set, every call takes the multi-buffer form.
+
+A get naming a key twice fills only one of its regions in either form, yet answers success for both:
+such a get is made in rounds of distinct keys (:func:`distinct_rounds`).
 """
 
 from __future__ import annotations
@@ -160,6 +163,23 @@ class CallForm:
             code if code < 0 or code == size else _TRANSFER_FAILED
             for code, size in zip(answers, sizes, strict=True)
         ]
+
+
+def distinct_rounds(keys: list[str]) -> list[list[int]] | None:
+    """None when no key repeats; else the positions of ``keys`` in rounds holding each key at most once
+    (round i: every key's i-th occurrence). Mooncake reads a key given twice in one get into only the
+    last of its regions yet answers success for both (measured, both forms): a get of repeated keys
+    goes in one call per round."""
+    if len(set(keys)) == len(keys):
+        return None
+    seen: dict[str, int] = {}
+    rounds: list[list[int]] = []
+    for position, key in enumerate(keys):
+        occurrence = seen[key] = seen.get(key, -1) + 1
+        if occurrence == len(rounds):
+            rounds.append([])
+        rounds[occurrence].append(position)
+    return rounds
 
 
 def call_form(batch: ProvenBatch, op: str, *, prefer_same_node: bool) -> CallForm:
