@@ -78,6 +78,22 @@ def test_benchmark_runs_on_the_embedded_backend_and_reports(tmp_path: Path) -> N
     assert json.loads(path.read_text())["scenario"]["tokens"] == 2048
 
 
+def test_benchmark_on_mooncake_times_the_call_form_the_backend_takes(mooncake_master: MooncakeMaster) -> None:
+    """One pair per chunk: the flat calls, with the multi-buffer form timed beside them as the baseline;
+    the conversion probe's -600 answers are checked inside (a wrong answer raises)."""
+    result = run_layouts_benchmark(TINY, backend="mooncake", master=mooncake_master.address)
+    for kind, figures in result["layouts"].items():
+        gil = figures["gil"]
+        assert gil["flat"] == (kind != "layer_major") and gil["multi_flat"] is False
+        assert gil["conversion_ms"] > 0 and gil["multi_conversion_ms"] > 0
+        assert gil["total_ms"] == pytest.approx(gil["prepare_ms"] + gil["backend_ms"] + gil["conversion_ms"])
+        assert figures["store"]["busy_p99_ms"] >= 0 and figures["idle_lag_p99_ms"] >= 0
+        assert figures["load"]["worst_busy_ms"] is not None  # the loop thread's CPU is always known
+    out = io.StringIO()
+    print_report(result, out)
+    assert "busy99" in out.getvalue()
+
+
 def test_cross_process_benchmark_moves_verified_bytes(mooncake_master: MooncakeMaster) -> None:
     from aiokv.bench.layouts_xproc import XScenario, print_xproc_report, run_xproc_benchmark
 

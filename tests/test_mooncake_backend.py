@@ -22,6 +22,7 @@ import pytest
 
 from aiokv.backends.base import INVALID, NO_SPACE, NOT_FOUND, OK, TRANSFER_FAILED
 from aiokv.backends.mooncake import MooncakeBackend, MooncakeConfig, _import_hint, parse_size
+from aiokv.backends.mooncake_calls import CallForm, call_form, prove
 from aiokv.backends.mooncake_master import MooncakeMaster, free_ports
 from aiokv.errors import BackendError, BackendUnavailableError, InvalidRequestError
 
@@ -400,6 +401,145 @@ def test_large_batch_into_another_process_segment(
             assert backend.batch_get(keys, d + offsets, sizes) == [regions * size] * keys_n
         assert np.array_equal(src, dst)
     assert holder.returncode == 0
+
+
+# -- call forms: flat lists when every key has one region (aiokv.backends.mooncake_calls) ---------
+
+
+class _RecordingStore:
+    """The real store, recording the name of every transfer method the backend calls on it."""
+
+    def __init__(self, store: object) -> None:
+        self._store = store
+        self.called: list[str] = []
+
+    def __getattr__(self, name: str) -> object:
+        if name.startswith(("batch_put", "batch_get_into")):
+            self.called.append(name)
+        return getattr(self._store, name)
+
+
+def _record_calls(backend: MooncakeBackend) -> _RecordingStore:
+    recorder = _RecordingStore(backend._store)
+    backend._store = recorder
+    return recorder
+
+
+def _forms(backend: MooncakeBackend, op: str, keys: list[str], addrs: list[int], sizes: list[int]):  # type: ignore[no-untyped-def]
+    """Both call forms of a one-region-per-key batch, after the backend's own proof."""
+    batch = prove(backend._memory, op, keys, [[a] for a in addrs], [[n] for n in sizes])
+    assert batch.subset is None, "every region must be proven for this comparison"
+    flat = call_form(batch, op, prefer_same_node=False)
+    multi = CallForm(False, *batch.region_lists())
+    assert flat.flat and flat.addrs == addrs and flat.sizes == sizes and multi.addrs == [[a] for a in addrs]
+    return batch.keys, flat, multi
+
+
+def test_both_call_forms_answer_alike(mooncake_backend: MooncakeBackend) -> None:
+    """The flat and the multi-buffer calls, on the real store: same codes for every case the worker
+    meets (once the flat get's answer for a too-large region is mapped), same bytes."""
+    src, dst = random_bytes(64 << 10, seed=21), np.zeros(64 << 10, np.uint8)
+    flat_keys, multi_keys = unique_keys(3, "flat"), unique_keys(3, "multi")
+    sizes = [4096, 1000, 8]
+    replicate = mooncake_backend._replicate
+    with (
+        registered(mooncake_backend, src) as s,
+        registered(mooncake_backend, dst) as d,
+        mooncake_backend._native() as store,
+    ):
+        put_at = [s, s + 8192, s + 16384]
+        keys, flat, _ = _forms(mooncake_backend, "put", flat_keys, put_at, sizes)
+        assert list(flat.put(store, keys, replicate)) == [OK] * 3
+        keys, _, multi = _forms(mooncake_backend, "put", multi_keys, put_at, sizes)
+        assert list(multi.put(store, keys, replicate)) == [OK] * 3
+        for stored_by, half in ((flat_keys, 0), (multi_keys, 32 << 10)):
+            get_at = [d + half + 20000, d + half + 4096, d + half]
+            # Each stored form read back through each get form: the sizes, then the same bytes.
+            for pick in (1, 2):
+                dst[half : half + (32 << 10)] = 0
+                keys, *forms = _forms(mooncake_backend, "get", stored_by, get_at, sizes)
+                assert forms[pick - 1].get_answers(forms[pick - 1].get(store, keys, False)) == sizes
+                for at, src_at, n in zip(get_at, put_at, sizes, strict=True):
+                    assert np.array_equal(dst[at - d : at - d + n], src[src_at - s : src_at - s + n])
+        present, (absent,) = flat_keys[0], unique_keys(1)
+        cases = {
+            "missing key": ([present, absent], [d, d + 8192], [4096, 4096], [4096, NOT_FOUND]),
+            "region smaller than the value": ([present], [d], [4000], [INVALID]),
+            "region larger than the value": ([present], [d], [5000], [TRANSFER_FAILED]),
+        }
+        for case, (case_keys, at, case_sizes, expected) in cases.items():
+            keys, flat, multi = _forms(mooncake_backend, "get", case_keys, at, case_sizes)
+            assert multi.get_answers(multi.get(store, keys, False)) == expected, case
+            assert flat.get_answers(flat.get(store, keys, False)) == expected, case
+
+
+def test_one_region_per_key_takes_the_flat_calls(
+    mooncake_master: MooncakeMaster, mooncake_backend_factory: Callable[..., MooncakeBackend]
+) -> None:
+    backend = mooncake_backend_factory(mooncake_master.address)
+    calls = _record_calls(backend)
+    src, dst = random_bytes(64 << 10, seed=22), np.zeros(64 << 10, np.uint8)
+    keys = unique_keys(4)
+    with registered(backend, src) as s, registered(backend, dst) as d:
+        offsets = np.arange(4).reshape(4, 1) * 8192
+        sizes = np.full((4, 1), 4096)
+        assert backend.batch_put(keys, s + offsets, sizes) == [OK] * 4
+        get_addrs = d + offsets[::-1]
+        get_addrs[1, 0] = WILD  # left out (-600), the rest still one flat call
+        assert backend.batch_get(keys, get_addrs, sizes) == [4096, INVALID, 4096, 4096]
+        assert backend.batch_get(keys, [[d + 40000]] * 4, [[5000]] * 4) == [TRANSFER_FAILED] * 4
+        assert calls.called == ["batch_put_from", "batch_get_into", "batch_get_into"]
+        for k in (0, 2, 3):
+            assert np.array_equal(
+                dst[(3 - k) * 8192 : (3 - k) * 8192 + 4096], src[k * 8192 : k * 8192 + 4096]
+            )
+        calls.called.clear()
+        # Two regions for one key: the whole batch takes the multi-buffer calls.
+        assert backend.batch_get(keys[:2], [[d], [d + 100, d + 8192]], [[4096], [100, 3996]]) == [4096] * 2
+        # A key twice in one put: the multi-buffer form, whose first value wins as before.
+        (twice,) = unique_keys(1)
+        assert backend.batch_put([twice, twice], [[s], [s + 8192]], [[4096], [4096]]) == [OK, OK]
+        assert backend.batch_get([twice], [[d + 50000]], [[4096]]) == [4096]
+        assert np.array_equal(dst[50000:54096], src[:4096])
+        assert calls.called == [
+            "batch_get_into_multi_buffers",
+            "batch_put_from_multi_buffers",
+            "batch_get_into",
+        ]
+
+
+@pytest.mark.parametrize("regions_per_key", [1, 2], ids=["flat", "multi-buffer"])
+def test_a_key_repeated_in_one_get_fills_every_region(
+    mooncake_backend: MooncakeBackend, regions_per_key: int
+) -> None:
+    """Mooncake alone fills only the last region of a key given twice in one get and answers success for
+    both; the backend makes one call per repetition instead."""
+    src, dst = random_bytes(16 << 10, seed=24), np.zeros(64 << 10, np.uint8)
+    a, b = unique_keys(2)
+    split = [1000, 3096] if regions_per_key == 2 else [4096]
+    with registered(mooncake_backend, src) as s, registered(mooncake_backend, dst) as d:
+        assert mooncake_backend.batch_put([a, b], [[s], [s + 8192]], [[4096], [4096]]) == [OK, OK]
+        keys = [a, b, a, a, b]
+        addrs = [[d + i * 8192 + sum(split[:j]) for j in range(len(split))] for i in range(5)]
+        assert mooncake_backend.batch_get(keys, addrs, [split] * 5) == [4096] * 5
+    for i, key in enumerate(keys):
+        at = 8192 * (key == b)
+        assert np.array_equal(dst[i * 8192 : i * 8192 + 4096], src[at : at + 4096]), i
+
+
+def test_prefer_alloc_in_same_node_keeps_the_multi_buffer_calls(
+    mooncake_master: MooncakeMaster, mooncake_backend_factory: Callable[..., MooncakeBackend]
+) -> None:
+    """The flat put refuses this option (-600) and the flat get has no such argument."""
+    backend = mooncake_backend_factory(mooncake_master.address, prefer_alloc_in_same_node=True)
+    calls = _record_calls(backend)
+    buf = random_bytes(3 * 4096, seed=23)
+    (key,) = unique_keys(1)
+    with registered(backend, buf) as a:
+        assert backend.batch_put([key], [[a]], [[4096]]) == [OK]
+        assert backend.batch_get([key], [[a + 8192]], [[4096]]) == [4096]
+    assert np.array_equal(buf[8192:], buf[:4096])
+    assert calls.called == ["batch_put_from_multi_buffers", "batch_get_into_multi_buffers"]
 
 
 # -- lifecycle and faults (backends and masters of their own) -----------------------------------

@@ -20,13 +20,12 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
-
-from .._arrays import BoolArray, IntArray
+from .._arrays import BoolArray
 from ..codes import Code, code_name
 from ..errors import BackendError, BackendUnavailableError, InvalidRequestError
 from ._regions import Regions, RegionTable, RegisteredMemory, check_keys
 from .base import ClosingContext
+from .mooncake_calls import CallForm, call_form, distinct_rounds, prove, region_lists
 from .mooncake_config import (
     CONFIG_ENV_VAR,
     DEFAULT_GLOBAL_SEGMENT_SIZE,
@@ -85,31 +84,6 @@ def _import_store() -> tuple[Any, Any]:
     except ImportError as exc:
         raise ImportError(_import_hint(exc)) from exc
     return MooncakeDistributedStore, ReplicateConfig
-
-
-def region_lists(table: RegionTable, rows: IntArray | None) -> tuple[list[list[int]], list[list[int]]]:
-    """Per-key lists of Python ints for the keys ``rows`` (all when None).
-
-    Lists of Python ints are what the binding converts fastest: even counting ``tolist``, passing
-    arrays is ~2.5x slower (docs/benchmarks.md, "Mooncake argument conversion"). When every key has
-    the same sizes (the worker's broadcast ``sizes``) one row is built and shared by all keys.
-    """
-    counts = np.diff(table.offsets)
-    if counts.size and counts[0] > 0 and bool((counts == counts[0]).all()):
-        width = int(counts[0])
-        addrs = table.addrs.reshape(-1, width)
-        sizes = table.sizes.reshape(-1, width)
-        if rows is not None:
-            addrs, sizes = addrs[rows], sizes[rows]
-        if bool((sizes == sizes[0]).all()):
-            return addrs.tolist(), [sizes[0].tolist()] * len(sizes)
-        return addrs.tolist(), sizes.tolist()
-    flat_addrs, flat_sizes, bounds = table.addrs.tolist(), table.sizes.tolist(), table.offsets.tolist()
-    selected = range(table.num_keys) if rows is None else rows.tolist()
-    return (
-        [flat_addrs[bounds[k] : bounds[k + 1]] for k in selected],
-        [flat_sizes[bounds[k] : bounds[k + 1]] for k in selected],
-    )
 
 
 _region_lists = region_lists  # the name benchmarks/mooncake_conversion.py imports
@@ -331,47 +305,58 @@ class MooncakeBackend(MooncakeExtras, ClosingContext):
 
     def _transfer(self, op: str, keys: Sequence[str], addrs: Regions, sizes: Regions) -> list[int]:
         self._check_open()
-        rows, addr_lists, size_lists, codes = self._proven_regions(op, keys, addrs, sizes)
-        if not rows:
-            return codes
-        native_keys = [keys[k] for k in rows]
+        batch = prove(self._memory, op, keys, addrs, sizes)
+        if not batch.rows:
+            return batch.codes
+        form = call_form(batch, op, prefer_same_node=self.config.prefer_alloc_in_same_node)
         if op == "put":
-            native = self._put(native_keys, addr_lists, size_lists)
+            native = self._put(batch.keys, form)
         else:
-            with self._native() as store:
-                native = store.batch_get_into_multi_buffers(
-                    native_keys, addr_lists, size_lists, self.config.prefer_alloc_in_same_node
-                )
-            self._check_length("batch_get_into_multi_buffers", native, len(native_keys))
-            self._raise_if_unavailable("batch_get_into_multi_buffers", native)
-        for k, code in zip(rows, native, strict=True):
-            codes[k] = int(code)
+            rounds = distinct_rounds(batch.keys)
+            if rounds is None:
+                native = self._get(batch.keys, form)
+            else:
+                native = [0] * len(batch.keys)
+                for positions in rounds:
+                    answers = self._get([batch.keys[k] for k in positions], form.only(positions))
+                    for k, code in zip(positions, answers, strict=True):
+                        native[k] = code
+        if batch.subset is None:  # every key proven: the answers are the codes
+            return native
+        codes = batch.codes
+        for k, code in zip(batch.rows, native, strict=True):
+            codes[k] = code
         return codes
 
-    def _put(self, keys: list[str], addr_lists: list[list[int]], size_lists: list[list[int]]) -> list[int]:
+    def _get(self, keys: list[str], form: CallForm) -> list[int]:
+        with self._native() as store:
+            answer = form.get(store, keys, self.config.prefer_alloc_in_same_node)
+        self._check_length(form.get_name, answer, len(keys))
+        self._raise_if_unavailable(form.get_name, answer)
+        return form.get_answers(answer)
+
+    def _put(self, keys: list[str], form: CallForm) -> list[int]:
         """One native batch put, and up to :attr:`put_retries` more of the keys that failed -800.
 
         While the master still lists a dead client's segment it places new replicas on it too, and
         those puts fail -800; a retry is placed anew (measured: retries made every key readable).
         """
-        name = "batch_put_from_multi_buffers"
-        codes = [0] * len(keys)
-        pending = list(range(len(keys)))
+        codes: list[int] = []
+        pending: Sequence[int] = range(len(keys))
         for attempt in range(self.put_retries + 1):
+            going = form.only(pending) if attempt else form
             with self._native() as store:
-                native = store.batch_put_from_multi_buffers(
-                    [keys[k] for k in pending] if attempt else keys,
-                    [addr_lists[k] for k in pending] if attempt else addr_lists,
-                    [size_lists[k] for k in pending] if attempt else size_lists,
-                    self._replicate,
-                )
-            self._check_length(name, native, len(pending))
-            self._raise_if_unavailable(name, native)
-            for k, code in zip(pending, native, strict=True):
-                codes[k] = int(code)
-            pending = [k for k in pending if codes[k] == _TRANSFER_FAILED]
-            if not pending:
+                native = going.put(store, [keys[k] for k in pending] if attempt else keys, self._replicate)
+            self._check_length(form.put_name, native, len(pending))
+            self._raise_if_unavailable(form.put_name, native)
+            if not attempt:
+                codes = list(native)
+            else:
+                for k, code in zip(pending, native, strict=True):
+                    codes[k] = code
+            if _TRANSFER_FAILED not in native:
                 break
+            pending = [k for k in pending if codes[k] == _TRANSFER_FAILED]
             logger.info("Mooncake put: %d keys failed TRANSFER_FAIL (attempt %d)", len(pending), attempt + 1)
         return codes
 

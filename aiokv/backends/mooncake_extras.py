@@ -13,10 +13,8 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from ..codes import Code
-from ._regions import Regions, RegionTable, RegisteredMemory, check_keys
+from ._regions import Regions, RegisteredMemory, check_keys
+from .mooncake_calls import prove
 from .mooncake_config import MooncakeConfig
 from .mooncake_replicas import ReplicaReader, replica_endpoints
 
@@ -78,26 +76,11 @@ class MooncakeExtras:
     ) -> tuple[list[int], list[list[int]], list[list[int]], list[int]]:
         """The rows of keys whose regions all lie in registered memory, their region lists, and codes
         with -600 for every other key (filled in by the caller for the proven rows)."""
-        check_keys(keys)
-        table = RegionTable.from_arguments(keys, addrs, sizes)
-        valid = self._memory.valid_keys(table)
-        rows = np.flatnonzero(valid)
-        codes = [int(Code.INVALID)] * table.num_keys
-        if rows.size < table.num_keys:
-            logger.warning(
-                "Mooncake %s: %d of %d keys have no regions or regions outside registered memory; "
-                "answered %d without calling Mooncake",
-                call,
-                table.num_keys - rows.size,
-                table.num_keys,
-                int(Code.INVALID),
-            )
-        if rows.size == 0:
-            return [], [], [], codes
-        from .mooncake import region_lists  # here: mooncake.py imports this module
-
-        addr_lists, size_lists = region_lists(table, None if rows.size == table.num_keys else rows)
-        return rows.tolist(), addr_lists, size_lists, codes
+        batch = prove(self._memory, call, keys, addrs, sizes)
+        if not batch.rows:
+            return [], [], [], batch.codes
+        addr_lists, size_lists = batch.region_lists()
+        return list(batch.rows), addr_lists, size_lists, batch.codes
 
     def _replicas(self) -> ReplicaReader:
         with self._replica_lock:

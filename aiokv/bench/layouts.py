@@ -5,11 +5,13 @@ with one cache allocated three ways (layer-major, block-major per-layer views, o
 see :mod:`aiokv.bench.layout_caches`) and described with :meth:`KVLayout.from_tensors`.
 
 For each: (address, size) pairs per request, the GIL-held pieces of one request on the Mooncake path
-(``regions_for_chunks``, building the int lists the binding takes, and with ``--backend mooncake`` the
-binding's own argument conversion, timed on a raw ``mooncake.store`` client), and through
-:class:`~aiokv.KVWorker` with ``--concurrency`` concurrent stores and loads: wall time, GB/s, loop lag
-and CPU per request. Bytes are verified once per layout. A table of ``chunk_tokens`` choices follows
-(keys, pairs and bytes per pair per request).
+(:mod:`aiokv.bench.layouts_gil`: ``regions_for_chunks``, MooncakeBackend's own Python, and with
+``--backend mooncake`` the binding's conversion timed on a raw ``mooncake.store`` client; for the call
+form the backend takes and for the multi-buffer form as the baseline), and through
+:class:`~aiokv.KVWorker` with ``--concurrency`` concurrent stores and loads: wall time, GB/s, CPU per
+request, and per 1 ms tick the loop's lag, its own CPU (busy) and its wait for a core, next to the idle
+loop's lag measured just before. Bytes are verified once per layout. A table of ``chunk_tokens``
+choices follows (keys, pairs and bytes per pair per request).
 
 Run: ``python -m aiokv.bench.layouts [--backend mooncake]`` (Mooncake in a private network namespace:
 ``unshare -rn sh -c 'ip link set lo up && python -m aiokv.bench.layouts --backend mooncake'``).
@@ -27,102 +29,65 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, replace
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 import numpy as np
 
-from .._arrays import IntArray
 from ..keys import KeyNamespace, chunk_hashes
-from ..layout import KVLayout
 from ..runner import run
 from ..worker import DEFAULT_REGIONS_PER_CALL, KVWorker
 from .layout_caches import KINDS, VOCAB, LayoutCache, Scenario, chunk_token_table, pairs_per_request
+from .layouts_gil import ConversionProbe, gil_per_request, request_keys
 from .loop_lag import measure_loop_lag
 
 
-def _best_ms(fn: Callable[[], object], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best * 1e3
+class Run(NamedTuple):
+    """One timed round: per 1 ms tick the loop's lag, its own CPU and its wait for a core (ms)."""
+
+    lags: list[float]
+    busy: list[float]
+    core_waits: list[float]
+    cpu_s: float
+    wall_s: float
 
 
-class ConversionProbe:
-    """A raw ``mooncake.store`` client: ``convert(addr_lists, size_lists)`` hands the binding one key
-    with every list, which it converts (holding the GIL) and then refuses with -600 (or -704, a missing
-    key, when there is one list), moving nothing."""
-
-    def __init__(self, master_address: str) -> None:
-        from mooncake.store import MooncakeDistributedStore  # type: ignore[import-untyped]
-
-        self.store = MooncakeDistributedStore()
-        rc = self.store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master_address)
-        if rc != 0:
-            raise RuntimeError(f"mooncake setup for the conversion probe failed: {rc}")
-
-    def convert(self, addr_lists: list[list[int]], size_lists: list[list[int]]) -> None:
-        codes = list(self.store.batch_get_into_multi_buffers(["aiokv-probe"], addr_lists, size_lists, False))
-        if codes != [-600] and codes != [-704]:
-            raise RuntimeError(f"the conversion probe answered {codes}, expected [-600] or [-704]")
-
-    def close(self) -> None:
-        self.store.close()
+async def _measured(work: Callable[[], Awaitable[None]]) -> Run:
+    busy: list[float] = []
+    core_waits: list[float] = []
+    lags, cpu, wall = await measure_loop_lag(work, busy=busy, core_waits=core_waits)
+    return Run(lags, busy, core_waits, cpu, wall)
 
 
-def gil_per_request(
-    layout: KVLayout, matrix: IntArray, max_regions_per_call: int, probe: ConversionProbe | None, repeats: int
-) -> dict[str, Any]:
-    """GIL-held pieces of one request in ms (best of ``repeats``): ``prepare`` (regions_for_chunks),
-    ``lists`` (the int lists the binding converts fastest, split into calls as the worker does) and
-    ``conversion`` (the binding converting them; Mooncake only)."""
-    prepare_ms = _best_ms(lambda: layout.regions_for_chunks(matrix), repeats)
-    calls: list[tuple[IntArray, IntArray]] = []
-    for batch in layout.regions_for_chunks(matrix):
-        per_call = max(1, max_regions_per_call // batch.addrs.shape[1])
-        calls.extend(
-            (batch.addrs[s : s + per_call], batch.sizes[s : s + per_call])
-            for s in range(0, batch.rows.size, per_call)
-        )
-
-    def lists(addrs: IntArray, sizes: IntArray) -> tuple[list[list[int]], list[list[int]]]:
-        return addrs.tolist(), [sizes[0].tolist()] * len(sizes)
-
-    lists_ms = 0.0
-    for addrs, sizes in calls:
-        lists_ms += _best_ms(functools.partial(lists, addrs, sizes), repeats)
-    conversion_ms: float | None = None
-    if probe is not None:
-        conversion_ms = 0.0
-        for addrs, sizes in calls:
-            conversion_ms += _best_ms(functools.partial(probe.convert, *lists(addrs, sizes)), repeats)
-    total = prepare_ms + lists_ms + (conversion_ms or 0.0)
-    return {
-        "prepare_ms": prepare_ms,
-        "lists_ms": lists_ms,
-        "conversion_ms": conversion_ms,
-        "total_ms": total,
-        "calls": len(calls),
-    }
-
-
-def _summary(
-    runs: list[tuple[list[float], float, float]], moved_bytes: int, requests: int
-) -> dict[str, float]:
-    walls = [wall for _, _, wall in runs]
-    lags = [lag for run_lags, _, _ in runs for lag in run_lags]
+def _summary(runs: list[Run], moved_bytes: int, requests: int) -> dict[str, float | None]:
+    walls = [run.wall_s for run in runs]
+    lags = np.array([lag for run in runs for lag in run.lags])
+    busy = np.array([ms for run in runs for ms in run.busy])
+    waits = np.array([ms for run in runs for ms in run.core_waits])
+    p99 = float(np.percentile(lags, 99)) if lags.size else 0.0
+    worst = lags >= p99  # the ticks at or past the p99: what they were made of
     return {
         "wall_best_ms": min(walls) * 1e3,
         "gbps_best": moved_bytes / min(walls) / 1e9,
         "gbps_median": moved_bytes / statistics.median(walls) / 1e9,
-        "lag_p50_ms": float(np.percentile(lags, 50)) if lags else 0.0,
-        "lag_p99_ms": float(np.percentile(lags, 99)) if lags else 0.0,
-        "lag_max_ms": max(lags, default=0.0),
-        "cpu_per_request_ms": statistics.median(cpu for _, cpu, _ in runs) / requests * 1e3,
+        "lag_p50_ms": float(np.percentile(lags, 50)) if lags.size else 0.0,
+        "lag_p99_ms": p99,
+        "lag_max_ms": float(lags.max()) if lags.size else 0.0,
+        # CPU the loop's own thread used between two 1 ms ticks: what the loop ran (the rest of a
+        # lag is waiting for a core or for the GIL).
+        "busy_p99_ms": float(np.percentile(busy, 99)) if busy.size else 0.0,
+        "worst_lag_ms": float(lags[worst].mean()) if lags.size else 0.0,
+        "worst_busy_ms": float(busy[worst].mean()) if busy.size == lags.size and lags.size else None,
+        "worst_core_wait_ms": float(waits[worst].mean()) if waits.size == lags.size and lags.size else None,
+        "cpu_per_request_ms": statistics.median(run.cpu_s for run in runs) / requests * 1e3,
     }
+
+
+async def idle_lag_p99_ms(seconds: float = 1.0) -> float:
+    """The loop's lag p99 with nothing to do: what the machine's other load alone costs."""
+    lags, _, _ = await measure_loop_lag(functools.partial(asyncio.sleep, seconds))
+    return float(np.percentile(lags, 99))
 
 
 async def _through_worker(backend: Any, cache: LayoutCache, s: Scenario, seed: int) -> dict[str, Any]:
@@ -164,19 +129,21 @@ async def _through_worker(backend: Any, cache: LayoutCache, s: Scenario, seed: i
             raise RuntimeError(f"bytes differ after a store and a load through the {cache.layout} layout")
         cache.clear(cache.block_sets[1])
         remove(check)
-        stores: list[tuple[list[float], float, float]] = []
+        idle_ms = await idle_lag_p99_ms()
+        stores: list[Run] = []
         for r in range(s.rounds + 1):
             prompts = [prompt() for _ in range(c)]
-            measured = await measure_loop_lag(functools.partial(store, prompts))
+            measured = await _measured(functools.partial(store, prompts))
             remove(prompts)
             if r:  # round 0 warms pages, allocator and threads up
                 stores.append(measured)
         prompts = [prompt() for _ in range(c)]
         await store(prompts)
-        loads = [await measure_loop_lag(lambda: load(prompts)) for _ in range(s.rounds + 1)][1:]
+        loads = [await _measured(lambda: load(prompts)) for _ in range(s.rounds + 1)][1:]
         remove(prompts)
     moved = c * s.prompt_bytes
-    return {"store": _summary(stores, moved, c), "load": _summary(loads, moved, c)}
+    store_figures, load_figures = _summary(stores, moved, c), _summary(loads, moved, c)
+    return {"store": store_figures, "load": load_figures, "idle_lag_p99_ms": idle_ms}
 
 
 @contextlib.contextmanager
@@ -216,9 +183,9 @@ def run_layouts_benchmark(
     say = progress or (lambda _: None)
     capacity = int(s.concurrency * s.prompt_bytes * 1.3) + (64 << 20)
     result: dict[str, Any] = {"scenario": asdict(s), "backend": backend, "layouts": {}}
-    # The loop's lag with nothing to do: what the machine's other load alone costs (a shared box).
-    idle, _, _ = run(measure_loop_lag(functools.partial(asyncio.sleep, 1.0)))
-    result["idle_lag_p99_ms"] = float(np.percentile(idle, 99))
+    # The loop's lag with nothing to do: what the machine's other load alone costs (a shared box);
+    # each layout measures it again just before its rounds.
+    result["idle_lag_p99_ms"] = run(idle_lag_p99_ms())
     with open_backend(backend, master, capacity) as (store, probe):
         max_regions = int(getattr(store, "max_regions_per_call", DEFAULT_REGIONS_PER_CALL))
         for kind in KINDS:
@@ -231,7 +198,9 @@ def run_layouts_benchmark(
             figures: dict[str, Any] = {
                 "pairs_per_chunk": cache.layout.pairs_per_chunk(s.blocks_per_chunk),
                 "pairs_per_request": pairs_per_request(cache.layout, matrix),
-                "gil": gil_per_request(cache.layout, matrix, max_regions, probe, repeats=max(3, s.rounds)),
+                "gil": gil_per_request(
+                    cache, matrix, request_keys(cache, s), max_regions, probe, repeats=max(5, s.rounds)
+                ),
             }
             gil_ms = figures["gil"]["total_ms"]
             say(f"{kind}: {figures['pairs_per_request']:,} pairs per request; GIL {gil_ms:.2f} ms")
@@ -244,6 +213,7 @@ def run_layouts_benchmark(
         kind: {
             "pairs_per_request": layer["pairs_per_request"] / block["pairs_per_request"],
             "gil_total": layer["gil"]["total_ms"] / block["gil"]["total_ms"],
+            "gil_multi_over_flat": block["gil"]["multi_total_ms"] / block["gil"]["total_ms"],
             **{
                 f"{op}_{figure}": layer[op][figure] / max(block[op][figure], 1e-9)
                 for op in ("store", "load")
@@ -266,21 +236,38 @@ def print_report(result: dict[str, Any], out: TextIO) -> None:
     )
     rows = []
     for kind, f in result["layouts"].items():
-        g = f["gil"]
+        g, st, ld = f["gil"], f["store"], f["load"]
         conversion = "-" if g["conversion_ms"] is None else f"{g['conversion_ms']:.2f}"
         rows.append(
             f"  {kind:12} {f['pairs_per_chunk']:>6} {f['pairs_per_request']:>10,} {g['prepare_ms']:>8.2f} "
-            f"{g['lists_ms']:>7.2f} {conversion:>8} {g['total_ms']:>7.2f} "
-            f"{f['store']['gbps_best']:>6.2f} {f['store']['lag_p99_ms']:>6.2f} "
-            f"{f['load']['gbps_best']:>6.2f} {f['load']['lag_p99_ms']:>6.2f} "
-            f"{f['store']['cpu_per_request_ms']:>7.1f} {f['load']['cpu_per_request_ms']:>7.1f}"
+            f"{g['backend_ms']:>7.2f} {conversion:>8} {g['total_ms']:>7.2f} {g['multi_total_ms']:>7.2f} "
+            f"{st['gbps_best']:>6.2f} {st['lag_p99_ms']:>6.2f} {st['busy_p99_ms']:>6.2f} "
+            f"{ld['gbps_best']:>6.2f} {ld['lag_p99_ms']:>6.2f} {ld['busy_p99_ms']:>6.2f} "
+            f"{f['idle_lag_p99_ms']:>6.2f} {st['cpu_per_request_ms']:>7.1f} {ld['cpu_per_request_ms']:>7.1f}"
         )
     out.write(
-        "  layout       pairs/  pairs/req  prepare   lists  convert  GIL ms  store  store   load   load"
-        "  st CPU  ld CPU\n               chunk                   ms      ms       ms   /req   GB/s  p99ms"
-        "   GB/s  p99ms  ms/req  ms/req\n"
+        "  layout       pairs/  pairs/req  prepare   aiokv  convert  GIL ms   multi  store  store  store"
+        "   load   load   load   idle  st CPU  ld CPU\n"
+        "               chunk                   ms      ms       ms   /req  GIL ms   GB/s  lag99 busy99"
+        "   GB/s  lag99 busy99  lag99  ms/req  ms/req\n"
     )
     out.write("\n".join(rows) + "\n")
+    for kind, f in result["layouts"].items():
+        parts = []
+        for op in ("store", "load"):
+            x = f[op]
+            if x["worst_busy_ms"] is not None and x["worst_core_wait_ms"] is not None:
+                parts.append(
+                    f"{op} {x['worst_lag_ms']:.2f} ms = loop CPU {x['worst_busy_ms']:.2f} + core wait "
+                    f"{x['worst_core_wait_ms']:.2f} + the rest (GIL)"
+                )
+        if parts:
+            out.write(f"  {kind}: ticks lagging >= p99, mean: " + "; ".join(parts) + "\n")
+    out.write(
+        "  GIL: one request's regions_for_chunks + MooncakeBackend's Python (aiokv) + the binding's "
+        "conversion; multi: the same through the multi-buffer calls (before). lag99/busy99: the loop's lag "
+        "p99 and its own CPU p99 per 1 ms tick (ms); idle: lag p99 of the idle loop just before.\n"
+    )
     for kind, ratios in result["ratios_layer_major_over"].items():
         text = ", ".join(f"{k} {v:.1f}x" for k, v in ratios.items())
         out.write(f"  layer_major / {kind}: {text}\n")

@@ -94,27 +94,71 @@ def _layout(regions: int, block_size: int, num_blocks: int) -> KVLayout:
     return KVLayout([(1 << 32) + i * span for i in range(regions)], [block_len], block_size, num_blocks)
 
 
-async def measure_loop_lag(
-    run: Callable[[], Awaitable[None]], *, tick_s: float = 0.001
-) -> tuple[list[float], float, float]:
-    """Run ``run()`` while a ticker records loop lag; returns (lags in ms, CPU s, wall s)."""
-    lags: list[float] = []
-    stop = asyncio.Event()
+def _core_wait_clock() -> tuple[Callable[[], float], Callable[[], None]] | None:
+    """A clock of how long the calling thread has waited for a core (ms; Linux's schedstat run-queue
+    time) and its closer, or None where the kernel does not say."""
+    try:
+        stat = open("/proc/thread-self/schedstat", "rb", buffering=0)  # noqa: SIM115 (closed by the caller)
+    except OSError:
+        return None
 
-    async def ticker() -> None:
+    def waited_ms() -> float:
+        stat.seek(0)
+        return int(stat.read().split()[1]) / 1e6
+
+    return waited_ms, stat.close
+
+
+async def tick(
+    stop: asyncio.Event,
+    lags: list[float],
+    busy: list[float] | None = None,
+    core_waits: list[float] | None = None,
+    *,
+    tick_s: float = 0.001,
+) -> None:
+    """Until ``stop``: wake every ``tick_s`` and append how late each wake was (loop lag, ms) to ``lags``,
+    to ``busy`` the CPU the loop's own thread used meanwhile (ms): what the loop ran, excluding the
+    time it waited for the GIL or for a core, so it stays meaningful on a loaded machine; and to
+    ``core_waits`` the time it waited for a core meanwhile (ms; Linux only, else nothing is added).
+    A lag is roughly busy + core wait + GIL wait."""
+    clock = _core_wait_clock() if core_waits is not None else None
+    try:
         while not stop.is_set():
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.thread_time()
+            waited = clock[0]() if clock is not None else 0.0
             await asyncio.sleep(tick_s)
             lags.append((time.perf_counter() - started - tick_s) * 1e3)
+            if busy is not None:
+                busy.append((time.thread_time() - cpu) * 1e3)
+            if clock is not None and core_waits is not None:
+                core_waits.append(clock[0]() - waited)
+    finally:
+        if clock is not None:
+            clock[1]()
 
-    tick = asyncio.create_task(ticker())
+
+async def measure_loop_lag(
+    run: Callable[[], Awaitable[None]],
+    *,
+    tick_s: float = 0.001,
+    busy: list[float] | None = None,
+    core_waits: list[float] | None = None,
+) -> tuple[list[float], float, float]:
+    """Run ``run()`` while a ticker records loop lag; returns (lags in ms, CPU s, wall s). ``busy`` and
+    ``core_waits``, when given, receive the loop thread's CPU and core waits per tick (:func:`tick`)."""
+    lags: list[float] = []
+    stop = asyncio.Event()
+    ticker = asyncio.create_task(tick(stop, lags, busy, core_waits, tick_s=tick_s))
     await asyncio.sleep(0.01)  # ticker running before the work starts
-    lags.clear()
+    for figures in (lags, busy, core_waits):
+        if figures is not None:
+            figures.clear()
     cpu0, wall0 = time.process_time(), time.perf_counter()
     await run()
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     stop.set()
-    await tick
+    await ticker
     return lags, cpu, wall
 
 

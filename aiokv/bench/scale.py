@@ -47,6 +47,7 @@ from ..backends.memory import MemoryBackend
 from ..keys import HashedPrompt, KeyNamespace
 from ..testing.paged_cache import GroupCache
 from ..worker import KVWorker
+from .loop_lag import tick
 from .report import table
 
 # Issue 10 as filed (the code before the fix, the same machine): max loop lag and lookup latency, ms.
@@ -90,13 +91,6 @@ class _Probe:
         else:
             self.gc_pauses.append((time.perf_counter() - self._gc_started) * 1e3)
 
-    async def _ticker(self, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            started, cpu = time.perf_counter(), time.thread_time()
-            await asyncio.sleep(self._tick_s)
-            self.lags.append((time.perf_counter() - started - self._tick_s) * 1e3)
-            self.busy.append((time.thread_time() - cpu) * 1e3)
-
     async def _prober(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             started = time.perf_counter()
@@ -113,7 +107,8 @@ class _Probe:
         # what the run creates still count (the GC column).
         gc.collect()
         gc.freeze()
-        tasks = [asyncio.create_task(self._ticker(stop)), asyncio.create_task(self._prober(stop))]
+        ticker = tick(stop, self.lags, self.busy, tick_s=self._tick_s)
+        tasks = [asyncio.create_task(ticker), asyncio.create_task(self._prober(stop))]
         await asyncio.sleep(0.01)
         self.lags.clear()
         self.busy.clear()
