@@ -20,7 +20,8 @@ from collections.abc import Callable
 import numpy as np
 
 from aiokv.backends.base import RegionTable
-from aiokv.backends.mooncake import MooncakeBackend, _region_lists
+from aiokv.backends.mooncake import MooncakeBackend
+from aiokv.backends.mooncake_calls import region_lists
 from aiokv.backends.mooncake_master import MooncakeMaster
 
 REGION_BYTES = 64  # small, so that the real batch of 2,312 x 96 regions fits a modest segment
@@ -80,13 +81,13 @@ def main(argv: list[str] | None = None) -> int:
             ("2-D int64 arrays passed as they are", lambda: get(one, addrs, sizes)),
             ("ndarray.tolist() of both, then lists", lambda: get(one, addrs.tolist(), sizes.tolist())),
             (
-                "aiokv _region_lists (one shared sizes row), then lists",
-                lambda: get(one, *_region_lists(table, None)),
+                "aiokv region_lists (one shared sizes row), then lists",
+                lambda: get(one, *region_lists(table, None)),
             ),
         ]
         building = [
             ("ndarray.tolist() of both", lambda: (addrs.tolist(), sizes.tolist())),
-            ("aiokv _region_lists", lambda: _region_lists(table, None)),
+            ("aiokv region_lists", lambda: region_lists(table, None)),
             (
                 "aiokv checks: RegionTable + RegisteredMemory.valid_keys",
                 lambda: be._memory.valid_keys(RegionTable.from_arguments(one * keys_n, addrs, sizes)),

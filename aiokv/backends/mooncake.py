@@ -86,9 +86,6 @@ def _import_store() -> tuple[Any, Any]:
     return MooncakeDistributedStore, ReplicateConfig
 
 
-_region_lists = region_lists  # the name benchmarks/mooncake_conversion.py imports
-
-
 class MooncakeBackend(MooncakeExtras, ClosingContext):
     """The backend protocol over a Mooncake distributed store client.
 
