@@ -1,6 +1,6 @@
 """Queues into batches. Two queues: transfers (stores and loads) and lookups, so a lookup never waits
 behind a batch. Tasks are held by role: the dispatcher task, the lookup task, the batch tasks. The
-lookups submitted and not yet answered are counted in the loop's :class:`LookupsInFlight`, which
+lookups submitted and not yet answered are counted in the loop's :class:`LoopSlices`, which
 makes every batch of the loop slice finer meanwhile (see :mod:`.slices`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from .request import Request
-from .slices import LookupsInFlight, answering_lookups
+from .slices import LoopSlices, answering_lookups
 
 RunBatch = Callable[[list[Request]], Awaitable[None]]
 
@@ -24,13 +24,13 @@ class Dispatcher:
         self._dispatch_task: asyncio.Task[None] | None = None
         self._lookup_task: asyncio.Task[None] | None = None
         self._batch_tasks: set[asyncio.Task[None]] = set()
-        self._in_flight = LookupsInFlight()  # the running loop's, from start()
+        self._slices = LoopSlices()  # the running loop's, from start()
         self._lookups_counted = 0  # this dispatcher's share of it: submitted, not yet answered
         self._lookups_ended = False
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
-        self._in_flight = LookupsInFlight.of_running_loop()
+        self._slices = LoopSlices.of_running_loop()
         self._dispatch_task = loop.create_task(self._dispatch_loop(), name="aiokv-dispatcher")
         self._lookup_task = loop.create_task(self._lookup_loop(), name="aiokv-lookups")
 
@@ -108,7 +108,7 @@ class Dispatcher:
         if self._lookups_ended:  # a late decrement after the loop's final one
             return
         self._lookups_counted += change
-        self._in_flight.count += change
+        self._slices.lookups += change
 
 
 def _drain(queue: asyncio.Queue[Request | None], first: Request | None) -> tuple[list[Request], bool]:
