@@ -49,12 +49,7 @@ from .stats import Kind, StatName, WorkerStats
 
 logger = logging.getLogger("aiokv")
 
-__all__ = [
-    "DEFAULT_REGIONS_PER_CALL",
-    "BlockIds",
-    "KVWorker",
-    "WorkerState",
-]
+__all__ = ["DEFAULT_REGIONS_PER_CALL", "BlockIds", "KVWorker", "WorkerState"]
 
 
 class KVWorker:
@@ -185,8 +180,7 @@ class KVWorker:
         return self._state is WorkerState.CLOSED
 
     @property
-    def _active(self) -> set[Request]:
-        """Requests submitted and not done (for tests that wait for the worker to go idle)."""
+    def _active(self) -> set[Request]:  # submitted and not done (for tests waiting for the worker to idle)
         return self._tracker.active
 
     # -- lifecycle ------------------------------------------------------------------------------

@@ -23,7 +23,9 @@ Baselines, same run, same ticker and prober:
   thread, split as the worker splits them: the backend's own cost, with none of the worker's
   bookkeeping on the loop.
 
-The issue's figures before the fix are :data:`SEED_FIGURES`.
+Before both, the garbage collector's share (:mod:`.scale_gc`): the objects it tracks per request in
+flight and the CPU of one full collection of them. The issue's figures before the fix are
+:data:`SEED_FIGURES`.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from ..keys import HashedPrompt, KeyNamespace
 from ..testing.paged_cache import GroupCache
 from ..worker import KVWorker
 from .report import table
+from .scale_gc import CollectorFigures, collector_figures
 
 # Issue 10 as filed (the code before the fix, the same machine): max loop lag and lookup latency, ms.
 SEED_FIGURES: dict[str, dict[str, float | None]] = {
@@ -229,7 +232,7 @@ class _Bench:
 
 async def _run(
     requests: int, prompt_tokens: int, chunk_tokens: int, rounds: int, seed: int
-) -> list[ScaleFigures]:
+) -> tuple[list[ScaleFigures], CollectorFigures]:
     bench = _Bench(requests, prompt_tokens, chunk_tokens, seed)
     layout = bench.cache.layout
     figures: list[ScaleFigures] = []
@@ -239,6 +242,11 @@ async def _run(
         probe_tokens = bench.rng.integers(0, 128_000, size=chunk_tokens, dtype=np.int64)
         probe_prompt = HashedPrompt.from_tokens(probe_tokens, chunk_tokens)
         await worker.store(probe_prompt, [np.array([bench.num_blocks - 1])])
+        work = bench.workload("many requests")
+        collector = await collector_figures(
+            lambda: [worker.store(p, [b]) for p, b in zip(work.prompts, work.blocks, strict=True)], requests
+        )
+        await asyncio.to_thread(bench.remove, work.keys)
         for name in ("many requests", "long prompt"):
             runs: dict[str, list[tuple[_Probe, float]]] = {"worker": [], "direct": [], "idle": []}
             for r in range(rounds + 1):  # round 0 warms up
@@ -267,7 +275,7 @@ async def _run(
                         runs[path].append(one)
             figures += [_figures(name, path, probes) for path, probes in runs.items()]
     bench.backend.close()
-    return figures
+    return figures, collector
 
 
 def run_scale_benchmark(
@@ -284,7 +292,7 @@ def run_scale_benchmark(
 
     if min(requests, rounds, chunk_tokens) < 1 or prompt_tokens < chunk_tokens:
         raise ValueError("requests, rounds and chunk_tokens must be >= 1, and prompt_tokens >= chunk_tokens")
-    figures = run(_run(requests, prompt_tokens, chunk_tokens, rounds, seed))
+    figures, collector = run(_run(requests, prompt_tokens, chunk_tokens, rounds, seed))
     by = {(f.workload, f.path): f for f in figures}
     ratios = {}
     for name in ("many requests", "long prompt"):
@@ -297,7 +305,8 @@ def run_scale_benchmark(
     parameters = {"requests": requests, "prompt_tokens": prompt_tokens, "chunk_tokens": chunk_tokens,
                   "keys": prompt_tokens // chunk_tokens, "rounds": rounds}  # fmt: skip
     return {"parameters": parameters, "figures": [asdict(f) for f in figures], "ratios": ratios,
-            "seed": SEED_FIGURES, "goal_lag_max_ms": GOAL_LAG_MAX_MS}  # fmt: skip
+            "collector": asdict(collector), "seed": SEED_FIGURES,
+            "goal_lag_max_ms": GOAL_LAG_MAX_MS}  # fmt: skip
 
 
 def print_scale_report(report: dict[str, Any], out: TextIO) -> None:
@@ -330,6 +339,13 @@ def print_scale_report(report: dict[str, Any], out: TextIO) -> None:
                      f"<= {report['goal_lag_max_ms']:g} ms: {met}"])  # fmt: skip
     headers = ["workload", "lag max / direct", "lookup p99 / idle", "seed lag max ms", "/ seed", "goal"]
     table(out, headers, rows)
+    c = report["collector"]
+    out.write(
+        f"\n  garbage collector, {c['requests']:,} stores in flight (CPython 3.11's full collection is one "
+        f"stall): queued {c['queued_objects_per_request']:.1f} tracked objects per request, a full "
+        f"collection {c['queued_full_collection_ms']:.1f} ms CPU; settled, results held "
+        f"{c['settled_objects_per_request']:.1f} per request, {c['settled_full_collection_ms']:.1f} ms\n"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
