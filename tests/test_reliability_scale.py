@@ -287,3 +287,6 @@ def test_bench_scale_reports_both_workloads_against_both_baselines(
         assert figures["lag_max_ms"] >= figures["lag_p99_ms"] and figures["wall_ms"] > 0
         assert figures["lookups"] >= 1 and figures["lookup_max_ms"] > 0
     assert set(report["ratios"]) == {"many requests", "long prompt"}
+    collector = report["collector"]
+    assert collector["requests"] == 50 and collector["queued_full_collection_ms"] > 0
+    assert 0 < collector["queued_objects_per_request"] <= TRACKED_PER_REQUEST
