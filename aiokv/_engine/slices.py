@@ -67,17 +67,18 @@ class LoopSlice:
     slice of the loop last resumed (:data:`URGENT_SLICE_S`, then a short pause, while a lookup is in
     flight). Cheap enough to call per request (one ``perf_counter``)."""
 
-    __slots__ = ("_budget", "_loop", "_urgent")
+    __slots__ = ("_budget", "_loop")
 
     def __init__(self, budget_s: float = SLICE_S) -> None:
         self._budget = budget_s
-        self._loop = LoopSlices.of_running_loop()
-        self._urgent = not _answering_lookups.get()  # whether lookups in flight shorten its slices
+        # The lookups' own slices keep a clock of their own, with no lookup ever in flight: they are
+        # the urgent work, and a few keys each.
+        self._loop = LoopSlices() if _answering_lookups.get() else LoopSlices.of_running_loop()
 
     async def tick(self) -> None:
         loop = self._loop
         elapsed = time.perf_counter() - loop.resumed
-        if loop.lookups and self._urgent:
+        if loop.lookups:
             if elapsed >= min(self._budget, URGENT_SLICE_S):
                 await asyncio.sleep(URGENT_PAUSE_S)
                 loop.resumed = time.perf_counter()
