@@ -112,4 +112,7 @@ def pick(items: Sequence[str], index: IntArray) -> list[str]:
 def pick_rows(items: Sequence[str], rows: IntArray) -> list[str]:
     """``items`` at ``rows``, by slicing when the rows are consecutive (the usual case)."""
     first, last = int(rows[0]), int(rows[-1])
-    return list(items[first : last + 1]) if last - first + 1 == rows.size else pick(items, rows)
+    if last - first + 1 != rows.size:
+        return pick(items, rows)
+    part = items[first : last + 1]
+    return part if isinstance(part, list) else list(part)  # a request's keys are a tuple
