@@ -49,12 +49,7 @@ from .stats import Kind, StatName, WorkerStats
 
 logger = logging.getLogger("aiokv")
 
-__all__ = [
-    "DEFAULT_REGIONS_PER_CALL",
-    "BlockIds",
-    "KVWorker",
-    "WorkerState",
-]
+__all__ = ["DEFAULT_REGIONS_PER_CALL", "BlockIds", "KVWorker", "WorkerState"]
 
 
 class KVWorker:
@@ -185,8 +180,7 @@ class KVWorker:
         return self._state is WorkerState.CLOSED
 
     @property
-    def _active(self) -> set[Request]:
-        """Requests submitted and not done (for tests that wait for the worker to go idle)."""
+    def _active(self) -> set[Request]:  # submitted and not done (for tests waiting for the worker to idle)
         return self._tracker.active
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -333,7 +327,7 @@ class KVWorker:
     ) -> TransferFuture[Any]:
         request = self._new_request(kind, tokens, block_ids, timeout)
         if request.num_chunks == 0:
-            request.codes = [np.zeros(0, dtype=np.int64) for _ in self._config.layouts]
+            request.codes = tuple(np.zeros(0, dtype=np.int64) for _ in self._config.layouts)
             self._tracker.settle(request)
         elif self._guard is not None and not self._guard.allow(kind):
             self._tracker.refuse(request)
@@ -363,17 +357,17 @@ class KVWorker:
         )
         deadline_s = as_timeout(timeout)
         loop = self._calling_loop()
-        request_id = next(self._ids)
         request = Request(
-            id=request_id,
+            id=next(self._ids),
             kind=kind,
             num_chunks=num_chunks,
-            future=TransferFuture(loop, request_id, kind.value, lambda: self._tracker.cancel(request)),
+            tracker=self._tracker,
             submitted=time.perf_counter(),
             tokens=token_ids,
             hashes=hashes,
-            blocks=blocks,
+            blocks=tuple(blocks),
         )
+        request.future = TransferFuture(loop, request.id, kind.value, request.cancel)
         self._tracker.track(request, loop, deadline_s)
         return request
 

@@ -23,10 +23,15 @@ import numpy as np
 import pytest
 
 from aiokv import KVWorker, MemoryBackend
+from aiokv._engine.lanes import EXISTS_PIECE_KEYS
+from aiokv._engine.slices import LoopSlices
 from aiokv.backends.base import MIN_SPLIT_BYTES, Regions, keys_per_call
 from aiokv.bench import cli as bench_cli
 from aiokv.keys import HashedPrompt
-from aiokv.testing import GroupCache, same_blocks
+from aiokv.testing import FaultInjectingBackend, FaultRule, GroupCache, same_blocks
+
+from .helpers import wait_until
+from .rig import SAFETY_S
 
 STALL_BOUND_MS = 200.0  # a stall detector: the fixed code's slices are ~2-15 ms of loop CPU
 CHUNK_TOKENS = 16
@@ -122,6 +127,97 @@ async def test_a_500000_key_prompt_never_holds_the_loop_long_and_a_lookup_meanwh
         assert probe.worst_ms < STALL_BOUND_MS, f"the loop ran {probe.worst_ms:.0f} ms without a break"
 
 
+# Item 10's remaining causes: objects the garbage collector walks per request, lookups behind a
+# batch's checks, a thread holding the GIL for a whole 62,500-key check.
+
+TRACKED_PER_REQUEST = 6  # the request, its TransferFuture, its asyncio future, the cancel hook, result
+
+
+def _tracked() -> int:
+    gc.collect()  # untracks tuples of atomic values, as any collection does
+    return len(gc.get_objects())
+
+
+@pytest.mark.asyncio
+async def test_a_request_in_flight_costs_the_garbage_collector_a_few_objects() -> None:
+    # A full collection walks every tracked object: 12 per queued request and 15 per settled one
+    # (lists, closure cells) made one of 10,000 requests in flight cost 15-27 ms of CPU, on the loop.
+    requests = 2000
+    cache, backend = _cache(requests)
+    prompts = np.random.default_rng(4).integers(0, 128_000, size=(requests, CHUNK_TOKENS), dtype=np.int64)
+    blocks = [np.array([i]) for i in range(requests)]
+    async with KVWorker(cache.layout, backend, namespace="gc", chunk_tokens=CHUNK_TOKENS) as worker:
+        before = _tracked()
+        futures = [worker.store(prompts[i], [blocks[i]]) for i in range(requests)]  # queued: no turn yet
+        queued = (_tracked() - before) / requests
+        results = [await f for f in futures]
+        settled = (_tracked() - before) / requests  # results held by their futures
+        assert [r.stored for r in results] == [1] * requests
+    assert queued <= TRACKED_PER_REQUEST, f"{queued:.1f} tracked objects per queued request"
+    assert settled <= TRACKED_PER_REQUEST, f"{settled:.1f} tracked objects per settled request"
+
+
+@pytest.mark.asyncio
+async def test_a_lookup_answers_while_a_batch_existence_check_hangs() -> None:
+    cache, memory = _cache(64)
+    rng = np.random.default_rng(5)
+    small = HashedPrompt.from_tokens(rng.integers(0, 128_000, size=CHUNK_TOKENS), CHUNK_TOKENS)
+    big = HashedPrompt.from_tokens(rng.integers(0, 128_000, size=32 * CHUNK_TOKENS), CHUNK_TOKENS)
+    release = threading.Event()
+    digests = set(big.hashes)
+    backend = FaultInjectingBackend(memory)
+    async with KVWorker(cache.layout, backend, namespace="lanes", chunk_tokens=CHUNK_TOKENS) as worker:
+        assert (await worker.store(small, [np.array([63])])).stored == 1
+        backend.add_rule(
+            FaultRule(op="exists", keys=lambda k: k.rsplit("/", 1)[-1] in digests, hang=release, times=1)
+        )
+        store = worker.store(big, [np.arange(32)])
+        await wait_until(lambda: backend.hanging >= 1)  # the batch's check, on the control thread
+        try:
+            # Before: the lookup's check queued behind the hung one on the one control thread.
+            assert await asyncio.wait_for(worker.lookup(small), SAFETY_S) == CHUNK_TOKENS
+            assert not store.done()
+        finally:
+            release.set()
+        assert (await asyncio.wait_for(store, SAFETY_S)).stored == 32
+
+
+@pytest.mark.asyncio
+async def test_a_large_batch_checks_existence_in_bounded_pieces() -> None:
+    chunks = 20_000
+    cache, memory = _cache(chunks)
+    backend = FaultInjectingBackend(memory)
+    prompt = np.random.default_rng(6).integers(0, 128_000, size=chunks * CHUNK_TOKENS, dtype=np.int64)
+    async with KVWorker(cache.layout, backend, namespace="pieces", chunk_tokens=CHUNK_TOKENS) as worker:
+        assert (await worker.store(prompt, [np.arange(chunks)])).stored == chunks
+    checks = [len(c.keys) for c in backend.calls_of("exists")]
+    # Before: one call of 20,000 keys (and one more confirming them), each holding the GIL throughout.
+    assert max(checks) <= EXISTS_PIECE_KEYS
+    assert sum(checks) == 2 * chunks  # every key checked before the puts and confirmed after
+
+
+@pytest.mark.asyncio
+async def test_lookups_in_flight_are_counted_for_the_loop_and_forgotten_on_terminate() -> None:
+    cache, memory = _cache(8)
+    release = threading.Event()
+    backend = FaultInjectingBackend(memory, rules=[FaultRule(op="exists", hang=release, max_hang_s=SAFETY_S)])
+    slices = LoopSlices.of_running_loop()
+    assert slices.lookups == 0
+    worker = KVWorker(cache.layout, backend, namespace="count", chunk_tokens=CHUNK_TOKENS)
+    await worker.start()
+    try:
+        prompts = np.random.default_rng(7).integers(0, 128_000, size=(3, CHUNK_TOKENS), dtype=np.int64)
+        lookups = [asyncio.create_task(worker.lookup(p)) for p in prompts]
+        await wait_until(lambda: backend.hanging >= 1)
+        assert slices.lookups == 3  # batches of this loop slice finely meanwhile
+        worker.terminate()
+    finally:
+        release.set()
+        await worker.wait_closed()
+    await asyncio.gather(*lookups, return_exceptions=True)
+    assert slices.lookups == 0
+
+
 # -- item 12: one batch's copies on every transfer thread --------------------------------------------
 
 
@@ -191,3 +287,6 @@ def test_bench_scale_reports_both_workloads_against_both_baselines(
         assert figures["lag_max_ms"] >= figures["lag_p99_ms"] and figures["wall_ms"] > 0
         assert figures["lookups"] >= 1 and figures["lookup_max_ms"] > 0
     assert set(report["ratios"]) == {"many requests", "long prompt"}
+    collector = report["collector"]
+    assert collector["requests"] == 50 and collector["queued_full_collection_ms"] > 0
+    assert 0 < collector["queued_objects_per_request"] <= TRACKED_PER_REQUEST

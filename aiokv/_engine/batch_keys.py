@@ -52,7 +52,9 @@ class Cycle:
             self.outcomes_ready.set_result(None)
 
 
-async def assign_positions(cycle: Cycle, per_request_keys: list[list[list[str]]]) -> list[list[IntArray]]:
+async def assign_positions(
+    cycle: Cycle, per_request_keys: Sequence[Sequence[Sequence[str]]]
+) -> list[list[IntArray]]:
     """Fill ``cycle``'s unique keys; return, per request and group, each key's position in them."""
     clock = LoopSlice()
     every_key = [keys for request_keys in per_request_keys for keys in request_keys]
@@ -107,7 +109,10 @@ def pick(items: Sequence[str], index: IntArray) -> list[str]:
     return list(operator.itemgetter(*index.tolist())(items)) if index.size else []
 
 
-def pick_rows(items: list[str], rows: IntArray) -> list[str]:
+def pick_rows(items: Sequence[str], rows: IntArray) -> list[str]:
     """``items`` at ``rows``, by slicing when the rows are consecutive (the usual case)."""
     first, last = int(rows[0]), int(rows[-1])
-    return items[first : last + 1] if last - first + 1 == rows.size else pick(items, rows)
+    if last - first + 1 != rows.size:
+        return pick(items, rows)
+    part = items[first : last + 1]
+    return part if isinstance(part, list) else list(part)  # a request's keys are a tuple

@@ -34,7 +34,7 @@ class Claims:
                 cycle.owned[request.positions[group][~foreign]] = True
                 for other in {id(o): o for o in owners if o is not cycle}.values():
                     mine = np.flatnonzero([o is other for o in owners])
-                    request.waits.append(Wait(other, group, mine, [keys[i] for i in mine.tolist()]))
+                    request.waits += (Wait(other, group, mine, [keys[i] for i in mine.tolist()]),)
             await clock.tick()
         owned = np.flatnonzero(cycle.owned)
         cycle.claimed = cycle.keys if owned.size == len(cycle.keys) else pick(cycle.keys, owned)

@@ -23,7 +23,7 @@ from ..stats import Op, WorkerStats
 from .answers import batch_error
 from .batch_keys import Cycle, pick
 from .config import EngineConfig
-from .lanes import Lane, Lanes
+from .lanes import EXISTS_PIECE_KEYS, Lane, Lanes
 from .plan import Plan, Rows
 from .tracker import RequestTracker
 
@@ -86,9 +86,10 @@ class WriteConfirmation:
     async def _exists(self, cycle: Cycle, puts: Plan, waiting: IntArray) -> np.ndarray | None:
         """Presence of the ``waiting`` keys; if the check raises, their requests fail with it."""
         keys = pick(cycle.keys, waiting)
-        self._stats.backend_calls[Op.EXISTS] += 1
+        self._stats.backend_calls[Op.EXISTS] += len(range(0, len(keys), EXISTS_PIECE_KEYS))
         try:
-            answer = await self._lanes.run(Lane.CONTROL, self._config.backend.batch_exists, keys)
+            exists = self._config.backend.batch_exists
+            answer = await self._lanes.run_pieces(Lane.CONTROL, exists, keys, EXISTS_PIECE_KEYS)
             if len(answer) != len(keys):
                 raise ValueError(f"batch_exists answered {len(answer)} values for {len(keys)} keys")
             return np.asarray(answer, dtype=bool)

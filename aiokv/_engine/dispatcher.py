@@ -1,5 +1,7 @@
 """Queues into batches. Two queues: transfers (stores and loads) and lookups, so a lookup never waits
-behind a batch. Tasks are held by role: the dispatcher task, the lookup task, the batch tasks."""
+behind a batch. Tasks are held by role: the dispatcher task, the lookup task, the batch tasks. The
+lookups submitted and not yet answered are counted in the loop's :class:`LoopSlices`, which
+makes every batch of the loop slice finer meanwhile (see :mod:`.slices`)."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 
 from .request import Request
+from .slices import LoopSlices, answering_lookups
 
 RunBatch = Callable[[list[Request]], Awaitable[None]]
 
@@ -21,9 +24,13 @@ class Dispatcher:
         self._dispatch_task: asyncio.Task[None] | None = None
         self._lookup_task: asyncio.Task[None] | None = None
         self._batch_tasks: set[asyncio.Task[None]] = set()
+        self._slices = LoopSlices()  # the running loop's, from start()
+        self._lookups_counted = 0  # this dispatcher's share of it: submitted, not yet answered
+        self._lookups_ended = False
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
+        self._slices = LoopSlices.of_running_loop()
         self._dispatch_task = loop.create_task(self._dispatch_loop(), name="aiokv-dispatcher")
         self._lookup_task = loop.create_task(self._lookup_loop(), name="aiokv-lookups")
 
@@ -32,6 +39,7 @@ class Dispatcher:
 
     def submit_lookup(self, request: Request) -> None:
         self._lookups.put_nowait(request)
+        self._count_lookups(1)
 
     def stop(self) -> None:
         """Graceful: the loops end after everything queued so far has been batched."""
@@ -79,12 +87,28 @@ class Dispatcher:
         await self._run_transfers(batch)
 
     async def _lookup_loop(self) -> None:
+        answering_lookups()
         stopping = False
-        while not stopping:
-            request = await self._lookups.get()
-            batch, stopping = _drain(self._lookups, request)
-            if batch:
-                await self._run_lookups(batch)
+        try:
+            while not stopping:
+                request = await self._lookups.get()
+                taken = self._lookups.qsize() + 1
+                batch, stopping = _drain(self._lookups, request)
+                if batch:
+                    await self._run_lookups(batch)
+                # Answered; their callers wake two turns of the loop later (the future, the shield
+                # around it): the batches keep giving way until then.
+                loop = asyncio.get_running_loop()
+                loop.call_soon(loop.call_soon, self._count_lookups, -taken + stopping)  # None: no lookup
+        finally:  # ended (or cancelled by terminate()): nothing counted is left to answer here
+            self._count_lookups(-self._lookups_counted)
+            self._lookups_ended = True
+
+    def _count_lookups(self, change: int) -> None:
+        if self._lookups_ended:  # a late decrement after the loop's final one
+            return
+        self._lookups_counted += change
+        self._slices.lookups += change
 
 
 def _drain(queue: asyncio.Queue[Request | None], first: Request | None) -> tuple[list[Request], bool]:

@@ -3,7 +3,7 @@
 1. hash the prompts on the loop, in short slices (:mod:`.hashing`);
 2. build keys and their positions in the batch (:mod:`.batch_keys`), and claim the store keys, so no
    key is written twice, by two requests of this batch or by two overlapping batches (:mod:`.claims`);
-3. one ``batch_exists`` for all keys, on the control lane;
+3. one ``batch_exists`` for all keys, on the control lane (a lookup batch's on the lookup lane);
 4. decisions: what needs no transfer is settled, the rest planned per group (:mod:`.plan`); keys
    whose reads failed are not skipped but removed and rewritten (:mod:`.unreadable`, :mod:`.rewrite`);
 5. per group one ``regions_for_chunks`` call, then backend calls split to at most
@@ -34,7 +34,7 @@ from .claims import Claims
 from .config import EngineConfig
 from .confirm import WriteConfirmation
 from .hashing import hash_prompts
-from .lanes import Lane, Lanes
+from .lanes import EXISTS_PIECE_KEYS, Lane, Lanes
 from .plan import Plan, decide
 from .request import Request
 from .rewrite import Rewrites
@@ -97,14 +97,14 @@ class BatchPipeline:
         cycle = Cycle.new()
         try:
             live = await self._prepare_keys(batch, cycle)
-            present = await self._exists(cycle, live)
+            present = await self._exists(cycle, live, Lane.LOOKUP)  # never behind a batch's check
             if present is None:
                 return
             clock = LoopSlice()
             for request in live:
                 await clock.tick()
                 if not request.finished:
-                    request.codes = [present[p].astype(np.int64) for p in request.positions]
+                    request.codes = tuple(present[p].astype(np.int64) for p in request.positions)
                     self._tracker.settle(request)
         except Exception as exc:
             logger.exception("aiokv: a lookup batch failed unexpectedly")
@@ -125,29 +125,34 @@ class BatchPipeline:
             hashes = request.hashes
             if hashes is None:
                 raise AiokvError(f"request #{request.id} reached key building unhashed")
-            request.keys = []
+            per_group: list[tuple[str, ...]] = []
             for prefix in config.prefixes:
                 keys: list[str] = []
                 for part in pieces(len(hashes)):
                     keys += [prefix + h for h in hashes[part]]
                     await clock.tick()
-                request.keys.append(keys)
-            request.codes = [
+                per_group.append(tuple(keys))  # tuples: see the request module on the garbage collector
+            request.keys = tuple(per_group)
+            request.hashes = None  # the keys hold what is needed from now on
+            request.codes = tuple(
                 np.full(request.num_chunks, Code.PENDING, dtype=np.int64) for _ in config.prefixes
-            ]
+            )
         positions = await assign_positions(cycle, [r.keys for r in live])
         for request, mine in zip(live, positions, strict=True):
-            request.positions = mine
+            request.positions = tuple(mine)
         return live
 
-    async def _exists(self, cycle: Cycle, live: list[Request]) -> IntArray | None:
-        """Presence of every key of the batch; on failure every live request fails, and None."""
+    async def _exists(self, cycle: Cycle, live: list[Request], lane: Lane = Lane.CONTROL) -> IntArray | None:
+        """Presence of every key of the batch (checked on ``lane``); on failure every live request
+        fails, and None."""
         keys = cycle.keys
         if not keys:
             return np.zeros(0, dtype=bool)
-        self._stats.backend_calls[Op.EXISTS] += 1
+        self._stats.backend_calls[Op.EXISTS] += len(range(0, len(keys), EXISTS_PIECE_KEYS))
         try:
-            answer = await self._lanes.run(Lane.CONTROL, self._config.backend.batch_exists, keys)
+            answer = await self._lanes.run_pieces(
+                lane, self._config.backend.batch_exists, keys, EXISTS_PIECE_KEYS
+            )
             if len(answer) != len(keys):
                 raise BackendError(f"batch_exists answered {len(answer)} values for {len(keys)} keys")
             return np.asarray(answer, dtype=bool)

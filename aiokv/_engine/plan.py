@@ -89,7 +89,7 @@ def _decide_store(
         taken[positions[first]] = True
         if duplicate.any():
             chunks = np.flatnonzero(duplicate)
-            request.waits.append(Wait(cycle, group, chunks, [request.keys[group][i] for i in chunks]))
+            request.waits += (Wait(cycle, group, chunks, [request.keys[group][i] for i in chunks]),)
         if first.any():
             chunks = np.flatnonzero(first)
             plan[group].append(Rows(request, Op.PUT, chunks, positions[chunks]))

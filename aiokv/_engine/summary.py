@@ -5,6 +5,8 @@ Only documented codes reach a result (never :data:`~aiokv.codes.INTERNAL_CODES`)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
 
@@ -14,7 +16,7 @@ from ..results import LoadResult, StoreResult
 from ..stats import ChunkOutcome, WorkerStats
 
 
-def store_result(codes_per_group: list[IntArray], stats: WorkerStats) -> StoreResult:
+def store_result(codes_per_group: Sequence[IntArray], stats: WorkerStats) -> StoreResult:
     if not codes_per_group or codes_per_group[0].size == 0:
         return StoreResult(0, 0, 0)
     codes = np.stack(codes_per_group)  # (groups, chunks)
@@ -35,7 +37,7 @@ def store_result(codes_per_group: list[IntArray], stats: WorkerStats) -> StoreRe
 
 
 def load_result(
-    codes_per_group: list[IntArray], blocks: list[IntArray], chunk_tokens: int, stats: WorkerStats
+    codes_per_group: Sequence[IntArray], blocks: Sequence[IntArray], chunk_tokens: int, stats: WorkerStats
 ) -> LoadResult:
     if not codes_per_group or codes_per_group[0].size == 0:
         return LoadResult(0, tuple(() for _ in blocks))
@@ -52,7 +54,7 @@ def load_result(
     )
 
 
-def lookup_length(codes_per_group: list[IntArray], chunk_tokens: int) -> int:
+def lookup_length(codes_per_group: Sequence[IntArray], chunk_tokens: int) -> int:
     present = np.asarray(np.stack(codes_per_group).astype(bool).all(axis=0), dtype=np.bool_)
     return prefix_length(present) * chunk_tokens
 

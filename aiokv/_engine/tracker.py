@@ -151,11 +151,11 @@ class RequestTracker:
             return
         undecided = [int(Code.PENDING), int(Code.BACKEND_EXCEPTION)]
         if request.codes:
-            request.codes = [
+            request.codes = tuple(
                 np.where(np.isin(codes, undecided), int(Code.UNAVAILABLE), codes) for codes in request.codes
-            ]
+            )
         else:
-            request.codes = [np.full(request.num_chunks, int(Code.UNAVAILABLE)) for _ in request.blocks]
+            request.codes = tuple(np.full(request.num_chunks, int(Code.UNAVAILABLE)) for _ in request.blocks)
         request.refused = False
         self.settle(request)
 
