@@ -275,3 +275,27 @@ TP2_ENGINE = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
 # vLLM's multiprocess executor, one worker process per rank; threads bound by hand, one core each
 # (else: "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers").
 PARALLEL_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+
+class FailingGets:
+    """A backend wrapper whose every get fails (``TRANSFER_FAILED``) while its keys stay listed: a key
+    the store lists but cannot serve (e.g. a value of another size under the same key)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def batch_get(self, keys: Any, addrs: Any, sizes: Any) -> list[int]:
+        from aiokv.backends.base import TRANSFER_FAILED
+
+        return [TRANSFER_FAILED] * len(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def failing_gets_memory(config: Any, *, pure_client: bool) -> Any:
+    """Backend factory for ``"backend": "tests.vllm.support:failing_gets_memory"``: the embedded store,
+    every get failing (:class:`FailingGets`)."""
+    from aiokv.backends.memory import MemoryBackend
+
+    return FailingGets(MemoryBackend(capacity_bytes=config.memory_capacity))

@@ -236,3 +236,24 @@ def test_each_pp_stage_stores_and_loads_its_own_layers(
     assert {rank: sorted(set(keys)) for rank, keys in gets.items()} == {
         rank: sorted(set(keys)) for rank, keys in puts.items()
     }
+
+
+def test_listed_but_unreadable_keys_are_recomputed_once_not_loaded_forever(tmp_path: Any) -> None:
+    """A lookup finds every key, every load fails (as when another TP size's value sits under a
+    ``key_format "vllm"`` key, which names no TP size): vLLM recomputes the failed blocks and asks the
+    connector again, which must then answer a miss. It used to answer the same hit, and the request
+    was loaded and rescheduled until the engine was killed."""
+    require_vllm()
+    model = write_tiny_llama(tmp_path / "tiny-llama")
+    out = run_engine(
+        tmp_path,
+        "failing_gets",
+        model=model,
+        kv_transfer_config=connector({"backend": "tests.vllm.support:failing_gets_memory"}),
+        steps=[generate("first", [PROMPT]), {"op": "flush"}, {"op": "evict"}, generate("again", [PROMPT])],
+        timeout=180,
+    )
+    got, first = only(out, "again"), only(out, "first")
+    assert got["cached"] == 0
+    assert got["tokens"] == first["tokens"]
+    assert out["log"].count("Recovered from KV load failure") == 1
