@@ -10,6 +10,7 @@ prefix from its own prefix cache: bitwise equal). Run inside a private network n
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -257,3 +258,33 @@ def test_listed_but_unreadable_keys_are_recomputed_once_not_loaded_forever(tmp_p
     assert got["cached"] == 0
     assert got["tokens"] == first["tokens"]
     assert out["log"].count("Recovered from KV load failure") == 1
+
+
+@pytest.mark.parametrize(
+    ("is_mla", "key_format", "says"),
+    [
+        (False, "aiokv", "TP size 2 and PP size 1; engines of other sizes miss them"),
+        (True, "aiokv", "any TP size (MLA: one shared key per chunk) and PP size 1"),
+        (False, "vllm", "name no TP size: give every engine sharing them TP size 2"),
+    ],
+)
+def test_start_up_log_says_which_engines_share_the_keys(
+    caplog: pytest.LogCaptureFixture, is_mla: bool, key_format: str, says: str
+) -> None:
+    require_vllm()
+    from types import SimpleNamespace
+
+    from aiokv.integrations.vllm.config import ConnectorConfig
+    from aiokv.integrations.vllm.connector import _log_key_scope
+    from aiokv.integrations.vllm.geometry import KVGeometry
+
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(model="/models/tiny-llama", get_total_num_kv_heads=lambda: 2),
+    )
+    config = ConnectorConfig.from_extra_config({"key_format": key_format, "backend": "memory"})
+    geometry = KVGeometry(("layer.0",), block_size=128, page_bytes=65536, dtype="bfloat16", is_mla=is_mla)
+    with caplog.at_level(logging.INFO, logger="aiokv.vllm"):
+        _log_key_scope(vllm_config, config, geometry)
+    (record,) = [record for record in caplog.records if record.name == "aiokv.vllm"]
+    assert "'tiny-llama" in record.getMessage() and says in record.getMessage(), record.getMessage()
