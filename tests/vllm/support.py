@@ -272,9 +272,13 @@ def read_key_log(path: Path) -> list[dict[str, Any]]:
 
 
 TP2_ENGINE = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
-# vLLM's multiprocess executor, one worker process per rank; threads bound by hand, one core each
-# (else: "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers").
-PARALLEL_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+_CPUS = sorted(os.sched_getaffinity(0))
+# vLLM's multiprocess executor, one worker process per rank; threads bound by hand, one allowed core
+# each (else: "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers").
+PARALLEL_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": f"{_CPUS[0]}|{_CPUS[1 % len(_CPUS)]}",
+}
 
 
 class FailingGets:
