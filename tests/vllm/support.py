@@ -303,3 +303,13 @@ def failing_gets_memory(config: Any, *, pure_client: bool) -> Any:
     from aiokv.backends.memory import MemoryBackend
 
     return FailingGets(MemoryBackend(capacity_bytes=config.memory_capacity))
+
+
+def read_value(backend: Any, key: str, size: int) -> bytes:
+    """The ``size``-byte value of ``key``, read with ``backend`` (a Mooncake client of the test's own)."""
+    from tests.mooncake_support import registered
+
+    buffer = np.zeros(size, dtype=np.uint8)
+    with registered(backend, buffer) as addr:
+        assert backend.batch_get([key], [[addr]], [[size]]) == [size]
+    return buffer.tobytes()

@@ -33,6 +33,7 @@ from tests.vllm.support import (
     connector,
     generate,
     read_key_log,
+    read_value,
     require_vllm,
     run_engine,
     same_outputs,
@@ -130,13 +131,6 @@ def overwrite(backend: Any, keys: list[str], value: bytes) -> None:
     with registered(backend, buffer) as addr:
         codes = backend.batch_put(keys, [[addr]] * len(keys), [[buffer.nbytes]] * len(keys))
     assert all(code >= 0 for code in codes), codes
-
-
-def read_value(backend: Any, key: str, size: int) -> bytes:
-    buffer = np.zeros(size, dtype=np.uint8)
-    with registered(backend, buffer) as addr:
-        assert backend.batch_get([key], [[addr]], [[size]]) == [size]
-    return buffer.tobytes()
 
 
 @pytest.fixture(scope="module")

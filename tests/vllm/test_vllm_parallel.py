@@ -15,11 +15,10 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 
 from aiokv.integrations.vllm.tiny_model import write_tiny_llama
-from tests.mooncake_support import registered, require_mooncake, segment_holder
+from tests.mooncake_support import require_mooncake, segment_holder
 from tests.vllm.support import (
     BLOCK,
     MOONCAKE_ENV,
@@ -28,6 +27,7 @@ from tests.vllm.support import (
     connector,
     generate,
     read_key_log,
+    read_value,
     require_vllm,
     run_engine,
     same_outputs,
@@ -125,13 +125,6 @@ def keys_by_rank(entries: list[dict[str, Any]], op: str, rank: str = "tp_rank") 
             assert all(code >= 0 for code in entry["codes"]), entry
             by_rank.setdefault(entry[rank], []).extend(entry["keys"])
     return by_rank
-
-
-def read_value(backend: Any, key: str, size: int) -> bytes:
-    buffer = np.zeros(size, dtype=np.uint8)
-    with registered(backend, buffer) as addr:
-        assert backend.batch_get([key], [[addr]], [[size]]) == [size]
-    return buffer.tobytes()
 
 
 def test_tp2_engine_loads_every_full_block_stored_by_another_tp2_engine(runs: dict[str, Any]) -> None:
