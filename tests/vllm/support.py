@@ -210,3 +210,106 @@ def slow_put_mooncake(config: Any, *, pure_client: bool) -> Any:
     return CheckedSlowPuts(
         inner, float(os.environ["AIOKV_TEST_PUT_DELAY_S"]), os.environ["AIOKV_TEST_PUT_LOG"]
     )
+
+
+class KeyLog:
+    """A backend wrapper recording, per put and get, the keys, their value sizes and the vLLM TP and PP
+    ranks of the calling process (JSON lines appended to ``log_path``): which rank wrote and read
+    which keys, for the tensor-parallel and MLA tests."""
+
+    def __init__(self, inner: Any, log_path: str) -> None:
+        self.inner = inner
+        self.log_path = log_path
+
+    def _log(self, op: str, keys: Any, sizes: Any, codes: list[int]) -> None:
+        try:
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+
+            ranks: dict[str, int | None] = {
+                "tp_rank": int(get_tensor_model_parallel_rank()),
+                "pp_rank": int(get_pp_group().rank_in_group),
+            }
+        except Exception:  # no parallel groups in this process (a scheduler's lookup client)
+            ranks = {"tp_rank": None, "pp_rank": None}
+        entry = {
+            "op": op,
+            "pid": os.getpid(),
+            **ranks,
+            "keys": list(keys),
+            "sizes": [int(np.asarray(z).sum()) for z in sizes],
+            "codes": codes,
+        }
+        with open(self.log_path, "a") as log:
+            log.write(json.dumps(entry) + "\n")
+
+    def batch_put(self, keys: Any, addrs: Any, sizes: Any) -> list[int]:
+        codes: list[int] = self.inner.batch_put(keys, addrs, sizes)
+        self._log("put", keys, sizes, codes)
+        return codes
+
+    def batch_get(self, keys: Any, addrs: Any, sizes: Any) -> list[int]:
+        codes: list[int] = self.inner.batch_get(keys, addrs, sizes)
+        self._log("get", keys, sizes, codes)
+        return codes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def key_log_mooncake(config: Any, *, pure_client: bool) -> Any:
+    """Backend factory for ``"backend": "tests.vllm.support:key_log_mooncake"``: Mooncake, every put
+    and get recorded (:class:`KeyLog`) in the JSON-lines file named by ``AIOKV_TEST_KEY_LOG``."""
+    from aiokv.integrations.vllm.clients import new_mooncake_backend
+
+    return KeyLog(new_mooncake_backend(config, pure_client=pure_client), os.environ["AIOKV_TEST_KEY_LOG"])
+
+
+def read_key_log(path: Path) -> list[dict[str, Any]]:
+    """The entries :class:`KeyLog` wrote (none if the file does not exist)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+TP2_ENGINE = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+_CPUS = sorted(os.sched_getaffinity(0))
+# vLLM's multiprocess executor, one worker process per rank; threads bound by hand, one allowed core
+# each (else: "Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers").
+PARALLEL_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": f"{_CPUS[0]}|{_CPUS[1 % len(_CPUS)]}",
+}
+
+
+class FailingGets:
+    """A backend wrapper whose every get fails (``TRANSFER_FAILED``) while its keys stay listed: a key
+    the store lists but cannot serve (e.g. a value of another size under the same key)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def batch_get(self, keys: Any, addrs: Any, sizes: Any) -> list[int]:
+        from aiokv.backends.base import TRANSFER_FAILED
+
+        return [TRANSFER_FAILED] * len(keys)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def failing_gets_memory(config: Any, *, pure_client: bool) -> Any:
+    """Backend factory for ``"backend": "tests.vllm.support:failing_gets_memory"``: the embedded store,
+    every get failing (:class:`FailingGets`)."""
+    from aiokv.backends.memory import MemoryBackend
+
+    return FailingGets(MemoryBackend(capacity_bytes=config.memory_capacity))
+
+
+def read_value(backend: Any, key: str, size: int) -> bytes:
+    """The ``size``-byte value of ``key``, read with ``backend`` (a Mooncake client of the test's own)."""
+    from tests.mooncake_support import registered
+
+    buffer = np.zeros(size, dtype=np.uint8)
+    with registered(backend, buffer) as addr:
+        assert backend.batch_get([key], [[addr]], [[size]]) == [size]
+    return buffer.tobytes()

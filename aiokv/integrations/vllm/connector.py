@@ -20,7 +20,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from .config import ConnectorConfig
-from .geometry import kv_geometry
+from .geometry import KVGeometry, kv_geometry
+from .keys import key_namespace
 from .metadata import AiokvConnectorMetadata
 from .metrics import AiokvConnectorStats, AiokvPromMetrics
 from .scheduler import SchedulerSide
@@ -49,6 +50,7 @@ class AiokvConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(vllm_config, self.config, geometry)
+            _log_key_scope(vllm_config, self.config, geometry)
         else:
             self._worker = WorkerSide(vllm_config, self.config, geometry)
 
@@ -151,3 +153,28 @@ def _meta(meta: KVConnectorMetadata) -> AiokvConnectorMetadata:
     if not isinstance(meta, AiokvConnectorMetadata):
         raise TypeError(f"AiokvConnector got {type(meta).__name__} metadata")
     return meta
+
+
+def _log_key_scope(vllm_config: Any, config: ConnectorConfig, geometry: KVGeometry) -> None:
+    """Say which engines share this engine's keys: engines of other TP sizes (a prefill engine with
+    TP 2, a decode engine with TP 4) simply miss each other's KV, which is otherwise silent."""
+    parallel = vllm_config.parallel_config
+    namespace = key_namespace(vllm_config, config, geometry, tp_rank=0, pp_rank=0)
+    if config.key_format == "vllm" and not geometry.is_mla:
+        logger.info(
+            "aiokv: keys in vLLM's format under %r name no TP size: give every engine sharing them TP "
+            "size %d (another size's values do not fit; their loads fail and are recomputed)",
+            namespace.model,
+            parallel.tensor_parallel_size,
+        )
+        return
+    if geometry.is_mla:
+        scope = f"any TP size (MLA: one shared key per chunk) and PP size {parallel.pipeline_parallel_size}"
+    else:
+        scope = f"TP size {parallel.tensor_parallel_size} and PP size {parallel.pipeline_parallel_size}"
+    logger.info(
+        "aiokv: keys under %r: shared with engines of the same model name, KV layout, %s; "
+        "engines of other sizes miss them",
+        namespace.model,
+        scope,
+    )

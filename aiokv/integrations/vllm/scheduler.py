@@ -77,6 +77,10 @@ class SchedulerSide:
         self._hits: dict[str, _Hit] = {}
         self._loads: list[TransferSpec] = []
         self._loading: set[str] = set()
+        # Blocks each request's load fills, until it is done; requests a load failed for (vLLM then
+        # asks again: answering the same hit would load the same unreadable keys forever).
+        self._load_blocks: dict[str, set[int]] = {}
+        self._load_failed: set[str] = set()
         self._prompts: dict[str, HashedPrompt] = {}
         self._stored_chunks: dict[str, int] = {}
         self._with_stores: set[str] = set()
@@ -85,7 +89,7 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
-        if self._client is None or num_computed_tokens % self.chunk_tokens:
+        if self._client is None or num_computed_tokens % self.chunk_tokens or req_id in self._load_failed:
             # A local hit ending inside a chunk: loading that chunk would rewrite blocks in use.
             return 0, False
         hit = self._hits.get(req_id)
@@ -147,6 +151,7 @@ class SchedulerSide:
                 tuple(int(b) for b in block_ids[start:end]),
             )
         )
+        self._load_blocks[req_id] = set(self._loads[-1].block_ids)
         if self.config.load_async:
             self._loading.add(req_id)
         # Loaded chunks are not marked stored: if the load fails they are recomputed, and the store
@@ -162,6 +167,7 @@ class SchedulerSide:
             # Asked again from scratch when it is scheduled again.
             self._hits.pop(req_id, None)
             self._lookups.pop(req_id, None)
+            self._load_blocks.pop(req_id, None)
         if not self.can_store or self._backend is None:
             return meta
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
@@ -200,15 +206,30 @@ class SchedulerSide:
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
+        invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        for req_id, blocks in list(self._load_blocks.items()):
+            if blocks & invalid:
+                logger.warning("aiokv: load for %s failed; it is computed without the cache", req_id)
+                self._load_failed.add(req_id)
+                del self._load_blocks[req_id]
         for req_id in connector_output.finished_recving or ():
             self._loading.discard(req_id)
+            self._load_blocks.pop(req_id, None)
 
     def request_finished(self, request: Any) -> bool:
         """Whether the blocks must wait: a store of this request, or its load, may still be in flight.
         The worker reports it in ``get_finished`` (sending or receiving) once memory is released."""
         req_id = request.request_id
-        for table in (self._requests, self._hits, self._lookups, self._prompts, self._stored_chunks):
+        for table in (
+            self._requests,
+            self._hits,
+            self._lookups,
+            self._prompts,
+            self._stored_chunks,
+            self._load_blocks,
+        ):
             table.pop(req_id, None)  # type: ignore[attr-defined]
+        self._load_failed.discard(req_id)
         loading = req_id in self._loading
         self._loading.discard(req_id)
         stored = req_id in self._with_stores

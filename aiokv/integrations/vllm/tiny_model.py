@@ -1,4 +1,5 @@
-"""A small, seeded random-weight Llama checkpoint for tests, examples and benchmarks (no download).
+"""Small, seeded random-weight checkpoints for tests, examples and benchmarks (no download): a Llama,
+and a DeepSeek-V2-style model with multi-head latent attention (MLA).
 
 vLLM's ``load_format="dummy"`` fills every weight with tiny uniform values, so logits are flat and outputs
 do not depend on the KV cache. These weights (normal, scaled by ``1/sqrt(fan_in)``, embeddings of std 1,
@@ -8,15 +9,21 @@ they are bit-identical for equal arguments in every process.
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 from typing import Any
 
 import numpy as np
 
-__all__ = ["write_tiny_llama"]
+__all__ = ["write_tiny_deepseek_mla", "write_tiny_llama"]
 
 LM_HEAD_GAIN = 4.0  # a sharper output layer: clear greedy winners that still depend on the context
+
+
+def _linear(rng: np.random.Generator, out_features: int, in_features: int, gain: float = 1.0) -> np.ndarray:
+    scale = gain / np.sqrt(in_features)
+    return (rng.standard_normal((out_features, in_features), dtype=np.float32) * scale).astype(np.float32)
 
 
 def _weights(
@@ -31,10 +38,7 @@ def _weights(
     seed: int,
 ) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-
-    def linear(out_features: int, in_features: int, gain: float = 1.0) -> np.ndarray:
-        scale = gain / np.sqrt(in_features)
-        return (rng.standard_normal((out_features, in_features), dtype=np.float32) * scale).astype(np.float32)
+    linear = functools.partial(_linear, rng)
 
     weights: dict[str, np.ndarray] = {
         "model.embed_tokens.weight": rng.standard_normal((vocab_size, hidden_size), dtype=np.float32)
@@ -72,24 +76,17 @@ def write_tiny_llama(
     Load it with ``LLM(model=str(path), load_format="safetensors", skip_tokenizer_init=True)``. Returns
     the directory. Needs ``torch`` and ``safetensors`` (both come with vLLM).
     """
-    import torch
-    from safetensors.torch import save_file
-
-    for name, value in {
-        "num_layers": num_layers,
-        "hidden_size": hidden_size,
-        "num_heads": num_heads,
-        "num_kv_heads": num_kv_heads,
-        "head_dim": head_dim,
-        "intermediate_size": intermediate_size,
-        "vocab_size": vocab_size,
-    }.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    _check_sizes(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+    )
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-    directory = pathlib.Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -109,7 +106,6 @@ def write_tiny_llama(
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
-    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     weights = _weights(
         num_layers=num_layers,
         hidden_size=hidden_size,
@@ -120,6 +116,110 @@ def write_tiny_llama(
         vocab_size=vocab_size,
         seed=seed,
     )
+    return _save(path, config, weights)
+
+
+def _check_sizes(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _save(path: str | pathlib.Path, config: dict[str, Any], weights: dict[str, np.ndarray]) -> pathlib.Path:
+    """Write ``config.json`` and the weights as bfloat16 ``model.safetensors`` into ``path``."""
+    import torch
+    from safetensors.torch import save_file
+
+    directory = pathlib.Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tensors = {name: torch.from_numpy(w).to(torch.bfloat16).contiguous() for name, w in weights.items()}
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     return directory
+
+
+# vLLM's CPU MLA kernels (AMX and reference) are built for DeepSeek's latent size only:
+# kv_lora_rank 512 + qk_rope_head_dim 64 = 576 values per token and layer.
+MLA_KV_LORA_RANK = 512
+MLA_ROPE_HEAD_DIM = 64
+
+
+def write_tiny_deepseek_mla(
+    path: str | pathlib.Path,
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 256,
+    num_heads: int = 4,
+    nope_head_dim: int = 32,
+    v_head_dim: int = 32,
+    intermediate_size: int = 512,
+    vocab_size: int = 1024,
+    seed: int = 0,
+) -> pathlib.Path:
+    """Write a random DeepSeek-V2-style checkpoint with MLA into ``path``, as :func:`write_tiny_llama`.
+
+    Dense MLP in every layer (``first_k_dense_replace = num_layers``: no experts), no query
+    compression (``q_lora_rank`` None); the KV latent is DeepSeek's 512 + 64 (what vLLM's CPU MLA kernels
+    support), the other sizes are tiny. Load it as the Llama (``load_format="safetensors"``)."""
+    _check_sizes(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        nope_head_dim=nope_head_dim,
+        v_head_dim=v_head_dim,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+    )
+    rank, rope = MLA_KV_LORA_RANK, MLA_ROPE_HEAD_DIM
+    config: dict[str, Any] = {
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_heads,
+        "kv_lora_rank": rank,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": nope_head_dim,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": v_head_dim,
+        "first_k_dense_replace": num_layers,
+        # Required by the config class; unused, as no layer has experts.
+        "n_routed_experts": 1,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 1,
+        "moe_intermediate_size": intermediate_size,
+        "moe_layer_freq": 1,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    rng = np.random.default_rng(seed)
+    linear = functools.partial(_linear, rng)
+    weights: dict[str, np.ndarray] = {
+        "model.embed_tokens.weight": rng.standard_normal((vocab_size, hidden_size), dtype=np.float32)
+    }
+    for layer in range(num_layers):
+        prefix = f"model.layers.{layer}."
+        weights[prefix + "self_attn.q_proj.weight"] = linear(num_heads * (nope_head_dim + rope), hidden_size)
+        weights[prefix + "self_attn.kv_a_proj_with_mqa.weight"] = linear(rank + rope, hidden_size)
+        weights[prefix + "self_attn.kv_a_layernorm.weight"] = np.ones(rank, dtype=np.float32)
+        kv_b_rows = num_heads * (nope_head_dim + v_head_dim)
+        weights[prefix + "self_attn.kv_b_proj.weight"] = linear(kv_b_rows, rank)
+        weights[prefix + "self_attn.o_proj.weight"] = linear(hidden_size, num_heads * v_head_dim)
+        weights[prefix + "mlp.gate_proj.weight"] = linear(intermediate_size, hidden_size)
+        weights[prefix + "mlp.up_proj.weight"] = linear(intermediate_size, hidden_size)
+        weights[prefix + "mlp.down_proj.weight"] = linear(hidden_size, intermediate_size)
+        weights[prefix + "input_layernorm.weight"] = np.ones(hidden_size, dtype=np.float32)
+        weights[prefix + "post_attention_layernorm.weight"] = np.ones(hidden_size, dtype=np.float32)
+    weights["model.norm.weight"] = np.ones(hidden_size, dtype=np.float32)
+    weights["lm_head.weight"] = linear(vocab_size, hidden_size, LM_HEAD_GAIN)
+    return _save(path, config, weights)
