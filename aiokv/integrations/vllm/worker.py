@@ -121,7 +121,7 @@ class WorkerSide:
     def start_load_kv(self, meta: AiokvConnectorMetadata) -> None:
         for spec in meta.loads:
             future = None
-            if self._worker is not None:
+            if self._worker is not None and spec.prompt.hashes:
                 try:
                     future = self._worker.load(
                         spec.prompt, [list(spec.block_ids)], timeout=self.config.load_timeout_s
@@ -187,6 +187,7 @@ class WorkerSide:
                 failed = set(result.failed_block_ids[0]) if result.failed_block_ids else set()
             except Exception as exc:
                 logger.warning("aiokv: load for %s failed (%s); recomputing it", req_id, exc)
+        failed |= set(spec.unloaded_block_ids)
         if failed:
             self.events["load_error_blocks"] += len(failed)
             self._load_errors |= failed
