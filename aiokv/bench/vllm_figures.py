@@ -43,6 +43,21 @@ def _probe_inflation_steps(probe: dict[str, Any]) -> tuple[list[float], int]:
     return steps, in_flight
 
 
+def _compute_floor(local: dict[str, Any], *, computes_one_token: bool) -> float:
+    """What a hit's TTFT costs besides the load: the run on vLLM's own prefix cache (which computes
+    the prompt's last block). A hit of the whole prompt (or all but its last token) computes a
+    single token instead: its floor is that run with the step computing the last block swapped for
+    the next step, a decode step of the same request (one token on the same context)."""
+    ttft = _ttft(local)
+    if not computes_one_token:
+        return ttft
+    first = int(local["requests"][0]["first_token_step"])
+    steps = local["step_seconds"]
+    if first + 1 >= len(steps):
+        return ttft
+    return ttft - float(steps[first]) + float(steps[first + 1])
+
+
 def config_figures(result: dict[str, Any], geometry: Geometry) -> dict[str, float]:
     """One configuration's figures, keyed ``<figure>[:<size>]``."""
     store, load = result["store"], result["load"]
@@ -59,9 +74,10 @@ def config_figures(result: dict[str, Any], geometry: Geometry) -> dict[str, floa
         figures[f"store_ttft_s:{tokens}"] = _ttft(stored)
         figures[f"load_cpu_s:{tokens}"] = _median([float(run["cpu_s"]) for run in hits])
         figures[f"store_cpu_s:{tokens}"] = float(stored["cpu_s"])
-        if hit_tokens > 0 and ttft_hit > ttft_local:
-            loaded_bytes = hit_tokens // geometry.block_size * geometry.block_bytes
-            figures[f"load_gbps:{tokens}"] = loaded_bytes / (ttft_hit - ttft_local) / 1e9
+        floor = _compute_floor(loaded["local"], computes_one_token=hit_tokens >= tokens - 1)
+        if hit_tokens > 0 and ttft_hit > floor:
+            loaded_bytes = -(-hit_tokens // geometry.block_size) * geometry.block_bytes
+            figures[f"load_gbps:{tokens}"] = loaded_bytes / (ttft_hit - floor) / 1e9
         stored_bytes = tokens // geometry.block_size * geometry.block_bytes
         if float(stored["drain_s"]) > 0 and result.get("connector"):
             figures[f"store_gbps:{tokens}"] = stored_bytes / float(stored["drain_s"]) / 1e9
@@ -98,7 +114,20 @@ def step_inflation(results: dict[str, dict[str, Any]], baseline: str = "recomput
     return inflation
 
 
-def _outputs(result: dict[str, Any], *, local: bool) -> list[tuple[str, int, tuple[int, ...]]]:
+def reference_boundary(request: dict[str, Any], block_size: int) -> int:
+    """The hit boundary whose reference a request is compared with: its own, except for a hit of the
+    whole prompt (an asynchronous load may cover it; vLLM then computes only the last token), which
+    no run without a connector reproduces (vLLM's own prefix cache always leaves the last block to
+    compute): it is compared with that nearest split, the prompt's last block computed."""
+    cached, prompt = int(request["cached_tokens"]), int(request["prompt_tokens"])
+    if cached >= prompt and prompt > 0:
+        return (prompt - 1) // block_size * block_size
+    return cached
+
+
+def _outputs(
+    result: dict[str, Any], *, local: bool, block_size: int
+) -> list[tuple[str, int, tuple[int, ...]]]:
     """Every request's (phase/name, hit tokens, greedy tokens) in one configuration; ``local``: with the
     runs on vLLM's own prefix cache (only the reference's are comparable: elsewhere some of the
     cached blocks were loaded, and so computed along another path)."""
@@ -107,7 +136,7 @@ def _outputs(result: dict[str, Any], *, local: bool) -> list[tuple[str, int, tup
     def add(prefix: str, run: dict[str, Any]) -> None:
         for request in run["requests"]:
             key = f"{prefix}/{request['name']}"
-            records.append((key, int(request["cached_tokens"]), tuple(request["tokens"])))
+            records.append((key, reference_boundary(request, block_size), tuple(request["tokens"])))
 
     store, load = result["store"], result["load"]
     for phase in ("warmup", "probe", "mixed"):
@@ -124,7 +153,7 @@ def _outputs(result: dict[str, Any], *, local: bool) -> list[tuple[str, int, tup
 
 
 def check_outputs(
-    results: dict[str, dict[str, Any]], reference: str
+    results: dict[str, dict[str, Any]], reference: str, block_size: int
 ) -> tuple[list[str], list[str], dict[str, int]]:
     """Compare every request's greedy tokens with the ``reference`` run (no connector) at the same hit
     boundary: vLLM computing a prompt whole and on top of cached blocks can differ in the last bits,
@@ -137,13 +166,13 @@ def check_outputs(
     expected: dict[tuple[str, int], tuple[int, ...]] = {}
     wrong: list[str] = []
     diverged: list[str] = []
-    for key, cached, tokens in _outputs(results[reference], local=True):
+    for key, cached, tokens in _outputs(results[reference], local=True, block_size=block_size):
         if expected.setdefault((key, cached), tokens) != tokens:
             diverged.append(f"{reference}: {key} with {cached} cached tokens is not deterministic")
     unverified: dict[str, int] = {}
     for name, result in results.items():
         unverified[name] = 0
-        for key, cached, tokens in _outputs(result, local=name == reference):
+        for key, cached, tokens in _outputs(result, local=name == reference, block_size=block_size):
             want = expected.get((key, cached))
             if want is None:
                 unverified[name] += 1
@@ -157,9 +186,9 @@ def check_outputs(
     return wrong, diverged, unverified
 
 
-def output_mismatches(results: dict[str, dict[str, Any]], reference: str) -> list[str]:
+def output_mismatches(results: dict[str, dict[str, Any]], reference: str, block_size: int) -> list[str]:
     """Every request whose greedy tokens differ from the reference's at the same hit boundary."""
-    wrong, diverged, _ = check_outputs(results, reference)
+    wrong, diverged, _ = check_outputs(results, reference, block_size)
     return wrong + diverged
 
 
@@ -171,9 +200,10 @@ def hit_boundaries(results: dict[str, dict[str, Any]], block_size: int) -> dict[
         for loaded in result["load"]["long"]:
             for run in loaded["external"]:
                 request = run["requests"][0]
+                boundary = reference_boundary(request, block_size)
                 own = (int(request["prompt_tokens"]) - 1) // block_size * block_size
-                if int(request["cached_tokens"]) not in (0, own):
-                    boundaries.setdefault(request["name"], set()).add(int(request["cached_tokens"]))
+                if boundary not in (0, own):
+                    boundaries.setdefault(request["name"], set()).add(boundary)
     return {name: sorted(values) for name, values in boundaries.items()}
 
 
