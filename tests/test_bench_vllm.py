@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from aiokv.bench import vllm as bench
-from aiokv.bench.vllm_figures import check_outputs, output_mismatches, reference_boundary
+from aiokv.bench.vllm_figures import check_outputs, output_mismatches, reference_boundaries
 
 from .mooncake_support import in_ci, require_mooncake
 
@@ -72,7 +72,7 @@ def test_every_configuration_runs_and_outputs_agree(tiny_run: dict[str, Any]) ->
     for name in bench.CONFIGS:
         for run in results[name]["load"]["long"][0]["external"]:
             request = run["requests"][0]
-            assert reference_boundary(request, bench.BLOCK_SIZE) in boundaries, name
+            assert set(reference_boundaries(request, bench.BLOCK_SIZE)) <= boundaries | {0}, name
             assert len(request["tokens"]) == OUTPUT_TOKENS
     assert tiny_run["unverified_requests"]["recompute"] == 0
 

@@ -80,7 +80,7 @@ class ConnectorConfig:
     load_timeout_s: float = 30.0
     store_timeout_s: float = 60.0
     setup_retries: int = 2
-    executor_threads: int = 2
+    executor_threads: int = 1
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -142,7 +142,7 @@ class ConnectorConfig:
             load_timeout_s=float(_positive(extra, "load_timeout_s", 30.0)),
             store_timeout_s=float(_positive(extra, "store_timeout_s", 60.0)),
             setup_retries=_positive(extra, "setup_retries", 2, integer=True),
-            executor_threads=_positive(extra, "executor_threads", 2, integer=True),
+            executor_threads=_positive(extra, "executor_threads", 1, integer=True),
         )
 
 
