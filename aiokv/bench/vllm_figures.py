@@ -58,11 +58,17 @@ def _compute_floor(local: dict[str, Any], *, computes_one_token: bool) -> float:
     return ttft - float(steps[first]) + float(steps[first + 1])
 
 
-def config_figures(result: dict[str, Any], geometry: Geometry) -> dict[str, float]:
-    """One configuration's figures, keyed ``<figure>[:<size>]``."""
+def config_figures(
+    result: dict[str, Any], geometry: Geometry, baseline: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """One configuration's figures, keyed ``<figure>[:<size>]``. ``baseline``: the run without a
+    connector, whose runs on vLLM's own prefix cache are the compute floor of ``load_gbps`` (a
+    connector's own such run may load too: one that loads single blocks fetches the prompt's last
+    block on top of vLLM's local hit)."""
     store, load = result["store"], result["load"]
+    floors = (baseline or result)["load"]["long"]
     figures: dict[str, float] = {}
-    for stored, loaded in zip(store["long"], load["long"], strict=True):
+    for stored, loaded, floor_runs in zip(store["long"], load["long"], floors, strict=True):
         tokens = int(stored["requests"][0]["prompt_tokens"])
         hits = loaded["external"]
         ttft_hit = _median([_ttft(run) for run in hits])
@@ -74,7 +80,7 @@ def config_figures(result: dict[str, Any], geometry: Geometry) -> dict[str, floa
         figures[f"store_ttft_s:{tokens}"] = _ttft(stored)
         figures[f"load_cpu_s:{tokens}"] = _median([float(run["cpu_s"]) for run in hits])
         figures[f"store_cpu_s:{tokens}"] = float(stored["cpu_s"])
-        floor = _compute_floor(loaded["local"], computes_one_token=hit_tokens >= tokens - 1)
+        floor = _compute_floor(floor_runs["local"], computes_one_token=hit_tokens >= tokens - 1)
         if hit_tokens > 0 and ttft_hit > floor:
             loaded_bytes = -(-hit_tokens // geometry.block_size) * geometry.block_bytes
             figures[f"load_gbps:{tokens}"] = loaded_bytes / (ttft_hit - floor) / 1e9
@@ -235,7 +241,8 @@ def better(figure: str) -> Callable[[float, float], bool]:
 
 def round_figures(results: dict[str, dict[str, Any]], geometry: Geometry) -> dict[str, dict[str, float]]:
     """Every configuration's figures from one round, step inflation included."""
-    figures = {name: config_figures(result, geometry) for name, result in results.items()}
+    baseline = results.get("recompute")
+    figures = {name: config_figures(result, geometry, baseline) for name, result in results.items()}
     for name, inflation in step_inflation(results).items():
         figures[name]["step_inflation"] = inflation
     return figures

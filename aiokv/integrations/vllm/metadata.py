@@ -28,3 +28,5 @@ class AiokvConnectorMetadata(KVConnectorMetadata):
     # Preempted this step: their blocks may be reused by this very step's forward.
     preempted: set[str] = field(default_factory=set)
     sync_loads: bool = False
+    # No token is computed this step: the engine only polls for transfers (see WorkerSide.get_finished).
+    idle: bool = False

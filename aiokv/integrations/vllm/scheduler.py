@@ -189,7 +189,11 @@ class SchedulerSide:
     # -- each step ------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: Any) -> AiokvConnectorMetadata:
-        meta = AiokvConnectorMetadata(loads=self._loads, sync_loads=not self.config.load_async)
+        meta = AiokvConnectorMetadata(
+            loads=self._loads,
+            sync_loads=not self.config.load_async,
+            idle=not scheduler_output.total_num_scheduled_tokens,
+        )
         self._loads = []
         meta.preempted = set(scheduler_output.preempted_req_ids or ())
         for req_id in meta.preempted:
