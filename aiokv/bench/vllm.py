@@ -104,6 +104,13 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         help="runs of the connector configurations, order alternating; figures are the medians (default 1)",
     )
+    parser.add_argument(
+        "--aiokv-extra",
+        type=json.loads,
+        default={},
+        help="JSON object merged into AiokvConnector's kv_connector_extra_config (both aiokv configs), "
+        "e.g. '{\"executor_threads\": 2}'",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write every figure and raw timing here")
     parser.add_argument("--keep", type=Path, help="keep the model, specs, results and logs in this folder")
@@ -178,7 +185,9 @@ def mooncake_config(master_address: str) -> dict[str, Any]:
     }
 
 
-def kv_transfer_config(name: str, store_config: dict[str, Any]) -> dict[str, Any] | None:
+def kv_transfer_config(
+    name: str, store_config: dict[str, Any], aiokv_extra: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
     common = {"kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
     if name == "recompute":
         return None
@@ -192,6 +201,7 @@ def kv_transfer_config(name: str, store_config: dict[str, Any]) -> dict[str, Any
             "backend": "mooncake",
             "mooncake_config": store_config,
             "key_format": key_format,
+            **(aiokv_extra or {}),
         },
         **common,
     }
@@ -284,7 +294,7 @@ def run_config(
             store_config = mooncake_config(address)
             config_path = workdir / f"{tag}.mooncake.json"
             config_path.write_text(json.dumps(store_config))
-            transfer = kv_transfer_config(name, store_config)
+            transfer = kv_transfer_config(name, store_config, args.aiokv_extra)
         env = engine_env(config_path, args.kv_cache_gib)
         result: dict[str, Any] = {"connector": transfer}
         for role in roles:
@@ -387,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         rounds = [{"recompute": reference, **results} for results in rounds]
     per_round = [round_figures(results, geometry) for results in rounds]
     summary = summarize(median_figures(per_round))
-    checks = [check_outputs(results, "recompute") for results in rounds]
+    checks = [check_outputs(results, "recompute", BLOCK_SIZE) for results in rounds]
     wrong = sorted({problem for problems, _, _ in checks for problem in problems})
     diverged = sorted({problem for _, problems, _ in checks for problem in problems})
     unverified = {name: sum(counts.get(name, 0) for _, _, counts in checks) for name in configs}

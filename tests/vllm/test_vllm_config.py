@@ -37,6 +37,10 @@ def test_defaults_and_every_key_checked() -> None:
         ConnectorConfig.from_extra_config({"lookup_timeout_s": 0})
     with pytest.raises(ValueError, match="'backend'"):
         ConnectorConfig.from_extra_config({"backend": "redis"})
+    assert (config.executor_threads, config.idle_wait_s) == (1, 0.002)
+    assert ConnectorConfig.from_extra_config({"idle_wait_s": 0}).idle_wait_s == 0.0  # 0: never waits
+    with pytest.raises(ValueError, match="'idle_wait_s'"):
+        ConnectorConfig.from_extra_config({"idle_wait_s": -1})
     # Keys of vLLM's own connector are accepted (ignored) so its config can be reused.
     assert ConnectorConfig.from_extra_config({"lookup_async": True}).backend == "mooncake"
 

@@ -16,6 +16,7 @@ from tests.vllm.support import BLOCK, connector, generate, require_vllm, run_eng
 PROMPT = tokens(40, 2100)  # 16 full blocks
 # Each shares 12 blocks with PROMPT and has 4 full blocks of its own: 16 full blocks, 4 chunks.
 SHARED = [PROMPT[:1536] + tokens(41 + i, 600) for i in range(4)]
+EXACT = tokens(50, 16 * BLOCK)  # exactly 16 blocks: the last token ends the last block
 
 
 @pytest.fixture(scope="module")
@@ -34,9 +35,11 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             generate("warm", [PROMPT]),
             generate("shared_first", SHARED),  # computes and stores their own chunks
             generate("shared_warm", SHARED),
+            generate("exact_computed", [EXACT]),
             {"op": "flush"},
             {"op": "evict"},
             generate("reloaded", [PROMPT]),
+            generate("exact_reloaded", [EXACT]),
             {"op": "evict"},
             generate("shared_reloaded", SHARED),
             {"op": "stats"},
@@ -60,4 +63,50 @@ def test_concurrent_requests_sharing_a_prefix(run: dict[str, Any]) -> None:
     assert [out["cached"] for out in reloaded] == [16 * BLOCK] * 4
     for got, want in zip(reloaded, run["shared_warm"]["outputs"], strict=True):
         assert want["cached"] == 16 * BLOCK and same_outputs(got, want)
-    assert run["stats"]["events"]["loads_submitted"] == 1 + 4
+    assert run["stats"]["events"]["loads_submitted"] == 1 + 1 + 4
+
+
+def test_synchronous_load_of_an_exact_block_multiple_leaves_one_token(run: dict[str, Any]) -> None:
+    """A synchronous load is scheduled with the computation that follows it: vLLM must get a token to
+    compute, so the hit is every token but the last (all 16 blocks are loaded; the forward rewrites
+    the last slot). vLLM's own prefix cache would reuse only 15 blocks here."""
+    (computed,) = run["exact_computed"]["outputs"]
+    (reloaded,) = run["exact_reloaded"]["outputs"]
+    assert computed["cached"] == 0 and reloaded["cached"] == 16 * BLOCK - 1
+    assert reloaded["tokens"] == computed["tokens"]
+    assert run["stats"]["events"].get("load_error_blocks", 0) == 0
+
+
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    require_vllm()
+    root = tmp_path_factory.mktemp("vllm-embedded-async")
+    extra = {"backend": "memory", "memory_capacity": "64MiB", "lookup_wait_s": 2.0}
+    return run_engine(
+        root,
+        "embedded-async",
+        model=write_tiny_llama(root / "tiny-llama"),
+        kv_transfer_config=connector(extra),
+        steps=[
+            generate("computed", [EXACT]),
+            {"op": "flush"},
+            {"op": "evict"},
+            generate("reloaded", [EXACT]),
+            {"op": "stats"},
+        ],
+    )
+
+
+def test_asynchronous_load_hits_the_whole_prompt(async_run: dict[str, Any]) -> None:
+    """An asynchronous load may cover every token: once it lands vLLM recomputes only the last token
+    (into the loaded last block) to sample from. 16 blocks loaded where vLLM's own prefix cache and
+    its Mooncake connector reuse 15; the greedy tokens equal those computed without any load."""
+    (computed,) = async_run["computed"]["outputs"]
+    (reloaded,) = async_run["reloaded"]["outputs"]
+    assert computed["cached"] == 0 and reloaded["cached"] == 16 * BLOCK
+    assert reloaded["tokens"] == computed["tokens"]
+    # Only the last token's KV is computed anew: the logprobs differ at most in the last bits.
+    assert max(abs(a - b) for a, b in zip(reloaded["logprobs"], computed["logprobs"], strict=True)) < 0.05
+    stats = async_run["stats"]
+    assert stats["events"]["loads_submitted"] == 1 and stats["events"].get("load_error_blocks", 0) == 0
+    assert stats["chunks"]["loaded"] == 4

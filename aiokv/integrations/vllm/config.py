@@ -61,6 +61,13 @@ def _positive(extra: Mapping[str, Any], key: str, default: float, *, integer: bo
     return value
 
 
+def _non_negative(extra: Mapping[str, Any], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be a number >= 0, got {value!r}")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     """The parsed ``kv_connector_extra_config``."""
@@ -77,10 +84,11 @@ class ConnectorConfig:
     memory_capacity: int = 1 << 30
     lookup_timeout_s: float = 5.0
     lookup_wait_s: float = 0.02
+    idle_wait_s: float = 0.002
     load_timeout_s: float = 30.0
     store_timeout_s: float = 60.0
     setup_retries: int = 2
-    executor_threads: int = 2
+    executor_threads: int = 1
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -139,10 +147,11 @@ class ConnectorConfig:
             memory_capacity=parse_size(extra.get("memory_capacity", 1 << 30), "memory_capacity"),
             lookup_timeout_s=float(_positive(extra, "lookup_timeout_s", 5.0)),
             lookup_wait_s=float(_positive(extra, "lookup_wait_s", 0.02)),
+            idle_wait_s=float(_non_negative(extra, "idle_wait_s", 0.002)),
             load_timeout_s=float(_positive(extra, "load_timeout_s", 30.0)),
             store_timeout_s=float(_positive(extra, "store_timeout_s", 60.0)),
             setup_retries=_positive(extra, "setup_retries", 2, integer=True),
-            executor_threads=_positive(extra, "executor_threads", 2, integer=True),
+            executor_threads=_positive(extra, "executor_threads", 1, integer=True),
         )
 
 

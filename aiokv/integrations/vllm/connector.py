@@ -106,7 +106,10 @@ class AiokvConnector(KVConnectorBase_V1):
         self._work().wait_for_save(_meta(self._get_connector_metadata()))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return self._work().get_finished(finished_req_ids)
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        return self._work().get_finished(
+            finished_req_ids, idle=isinstance(meta, AiokvConnectorMetadata) and meta.idle
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().get_block_ids_with_load_errors()

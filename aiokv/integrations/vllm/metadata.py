@@ -12,11 +12,13 @@ from ...keys import HashedPrompt
 @dataclass(frozen=True)
 class TransferSpec:
     """Chunks ``prompt`` of request ``req_id`` to move between the store and ``block_ids`` (one per
-    block of those chunks, in token order)."""
+    block of those chunks, in token order). ``unloaded_block_ids`` (loads only): blocks of the hit that
+    no chunk fills, reported as failed so vLLM recomputes them."""
 
     req_id: str
     prompt: HashedPrompt
     block_ids: tuple[int, ...]
+    unloaded_block_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -26,3 +28,5 @@ class AiokvConnectorMetadata(KVConnectorMetadata):
     # Preempted this step: their blocks may be reused by this very step's forward.
     preempted: set[str] = field(default_factory=set)
     sync_loads: bool = False
+    # No token is computed this step: the engine only polls for transfers (see WorkerSide.get_finished).
+    idle: bool = False

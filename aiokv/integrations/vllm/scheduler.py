@@ -37,7 +37,8 @@ class _Lookup:
 @dataclass
 class _Hit:
     prompt: HashedPrompt  # the whole chunks found, from token 0
-    tokens: int
+    tokens: int  # the hit told to vLLM, counted from token 0
+    local: int = 0  # the local prefix-cache hit vLLM told us (where the load starts)
 
 
 class SchedulerSide:
@@ -90,7 +91,8 @@ class SchedulerSide:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
         if self._client is None or num_computed_tokens % self.chunk_tokens or req_id in self._load_failed:
-            # A local hit ending inside a chunk: loading that chunk would rewrite blocks in use.
+            # A local hit ending inside a chunk: loading that chunk would rewrite blocks in use. A load
+            # that failed: vLLM asks again to recompute, and the same hit would fail again.
             return 0, False
         hit = self._hits.get(req_id)
         if hit is None:
@@ -100,6 +102,7 @@ class SchedulerSide:
             hit = self._hits[req_id] = answer
         if hit.tokens <= num_computed_tokens:
             return 0, False
+        hit.local = num_computed_tokens
         return hit.tokens - num_computed_tokens, self.config.load_async
 
     def _lookup_answer(self, request: Any) -> _Hit | None:
@@ -107,8 +110,9 @@ class SchedulerSide:
         req_id = request.request_id
         lookup = self._lookups.get(req_id)
         if lookup is None:
-            # Leave the last token to compute: the engine needs one to sample from.
-            blocks = min(len(request.block_hashes), (request.num_tokens - 1) // self.block_size)
+            # Every full block, the last one too: an asynchronous load may cover the whole prompt
+            # (vLLM then recomputes only its last token to sample from; see _hit_tokens).
+            blocks = min(len(request.block_hashes), request.num_tokens // self.block_size)
             prompt = hashed_prompt(request.block_hashes, blocks, self.config, self.block_size)
             if not prompt.hashes:
                 return _Hit(prompt, 0)
@@ -133,7 +137,19 @@ class SchedulerSide:
             logger.warning("aiokv: lookup for %s failed (%s); treated as a miss", req_id, exc)
             tokens = 0
         chunks = tokens // self.chunk_tokens
-        return _Hit(HashedPrompt(lookup.prompt.hashes[:chunks], self.chunk_tokens), tokens)
+        found = HashedPrompt(lookup.prompt.hashes[:chunks], self.chunk_tokens)
+        return _Hit(found, self._hit_tokens(request, tokens))
+
+    def _hit_tokens(self, request: Any, found: int) -> int:
+        """The hit to tell vLLM for ``found`` leading tokens in the store. vLLM must compute at least
+        one token to sample from: an asynchronous load may still cover the whole prompt (vLLM 0.32
+        rewinds ``num_computed_tokens`` to ``num_tokens - 1`` once it lands and recomputes that
+        token into the loaded last block); a synchronous one is scheduled in the same step and must
+        leave one token to compute (the whole last block is loaded all the same, and the forward
+        then rewrites its last slot)."""
+        if self.config.load_async:
+            return min(found, request.num_tokens)
+        return min(found, request.num_tokens - 1)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         req_id = request.request_id
@@ -141,26 +157,49 @@ class SchedulerSide:
         hit = self._hits.pop(req_id, None)
         if num_external_tokens <= 0 or hit is None:
             return
-        first_chunk = (hit.tokens - num_external_tokens) // self.chunk_tokens
-        block_ids = blocks.get_block_ids()[0]
-        start, end = first_chunk * self.chunk_blocks, len(hit.prompt.hashes) * self.chunk_blocks
-        self._loads.append(
-            TransferSpec(
-                req_id,
-                HashedPrompt(hit.prompt.hashes[first_chunk:], self.chunk_tokens),
-                tuple(int(b) for b in block_ids[start:end]),
-            )
-        )
-        self._load_blocks[req_id] = set(self._loads[-1].block_ids)
+        spec = self._load_spec(req_id, hit, blocks.get_block_ids()[0], num_external_tokens)
+        self._loads.append(spec)
+        self._load_blocks[req_id] = set(spec.block_ids) | set(spec.unloaded_block_ids)
         if self.config.load_async:
             self._loading.add(req_id)
         # Loaded chunks are not marked stored: if the load fails they are recomputed, and the store
         # that follows writes them again (chunks the store has are skipped by one existence check).
 
+    def _load_spec(self, req_id: str, hit: _Hit, block_ids: Any, num_external_tokens: int) -> TransferSpec:
+        """The chunks covering tokens ``[hit.local, hit.local + num_external_tokens)``, into the blocks
+        vLLM allocated. A chunk is loaded only if every one of its blocks was allocated (a load never
+        writes a block the request was not given); the blocks of the hit left unloaded are reported
+        failed, so vLLM recomputes them instead of reading what they hold."""
+        first = hit.local // self.chunk_tokens
+        end_token = hit.local + num_external_tokens
+        wanted = min(-(-end_token // self.chunk_tokens), len(hit.prompt.hashes))
+        last = max(first, min(wanted, len(block_ids) // self.chunk_blocks))
+        start, end = first * self.chunk_blocks, last * self.chunk_blocks
+        hit_blocks = min(-(-end_token // self.block_size), len(block_ids))
+        unloaded = tuple(int(b) for b in block_ids[end:hit_blocks])
+        if unloaded or last < wanted:
+            logger.warning(
+                "aiokv: %s was given %d blocks for a hit of %d tokens; %d block(s) are recomputed",
+                req_id,
+                len(block_ids),
+                end_token,
+                max(len(unloaded), 1),
+            )
+        return TransferSpec(
+            req_id,
+            HashedPrompt(hit.prompt.hashes[first:last], self.chunk_tokens),
+            tuple(int(b) for b in block_ids[start:end]),
+            unloaded,
+        )
+
     # -- each step ------------------------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: Any) -> AiokvConnectorMetadata:
-        meta = AiokvConnectorMetadata(loads=self._loads, sync_loads=not self.config.load_async)
+        meta = AiokvConnectorMetadata(
+            loads=self._loads,
+            sync_loads=not self.config.load_async,
+            idle=not scheduler_output.total_num_scheduled_tokens,
+        )
         self._loads = []
         meta.preempted = set(scheduler_output.preempted_req_ids or ())
         for req_id in meta.preempted:

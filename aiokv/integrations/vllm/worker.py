@@ -121,7 +121,7 @@ class WorkerSide:
     def start_load_kv(self, meta: AiokvConnectorMetadata) -> None:
         for spec in meta.loads:
             future = None
-            if self._worker is not None:
+            if self._worker is not None and spec.prompt.hashes:
                 try:
                     future = self._worker.load(
                         spec.prompt, [list(spec.block_ids)], timeout=self.config.load_timeout_s
@@ -156,8 +156,11 @@ class WorkerSide:
             self._stores[spec.req_id].append(future)
             self.events["stores_submitted"] += 1
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(
+        self, finished_req_ids: set[str], *, idle: bool = False
+    ) -> tuple[set[str] | None, set[str] | None]:
         self._finishing |= finished_req_ids & self._with_stores
+        self._give_way(idle)
         sending = set()
         for req_id in list(self._finishing):
             futures = self._stores.get(req_id, [])
@@ -171,6 +174,25 @@ class WorkerSide:
             self._stores[req_id] = [future for future in futures if not future.done()]
         recving = {req_id for req_id, (future, _) in list(self._loads.items()) if self._finish_load(req_id)}
         return sending or None, recving or None
+
+    def _give_way(self, idle: bool) -> None:
+        """Let aiokv's threads run while the engine only polls. vLLM steps without pause while a request
+        waits for its KV, and an empty step is pure Python: it holds the GIL until CPython's switch
+        interval (5 ms) takes it away, at every hand-off of a transfer between aiokv's threads, and it
+        takes a core from the transport. On a step that computes nothing, wait up to ``idle_wait_s``
+        for a load (or a finishing request's store) to finish; otherwise just yield the GIL."""
+        pending = [future for future, _ in self._loads.values() if future is not None and not future.done()]
+        if idle:
+            for req_id in self._finishing:
+                pending += [future for future in self._stores.get(req_id, ()) if not future.done()]
+        if not pending:
+            return
+        if idle and self.config.idle_wait_s > 0:
+            concurrent.futures.wait(
+                pending, timeout=self.config.idle_wait_s, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+        else:
+            time.sleep(0)
 
     def _finish_load(self, req_id: str, *, wait: bool = False) -> bool:
         """If the load of ``req_id`` is done (waiting for it with ``wait``), record its failed blocks."""
@@ -187,6 +209,7 @@ class WorkerSide:
                 failed = set(result.failed_block_ids[0]) if result.failed_block_ids else set()
             except Exception as exc:
                 logger.warning("aiokv: load for %s failed (%s); recomputing it", req_id, exc)
+        failed |= set(spec.unloaded_block_ids)
         if failed:
             self.events["load_error_blocks"] += len(failed)
             self._load_errors |= failed
