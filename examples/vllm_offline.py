@@ -51,14 +51,6 @@ result = {"ttft": ttft, "hit": out.num_cached_tokens, "token": out.outputs[0].to
 print("RESULT " + json.dumps(result))
 """
 
-HOLDER = """
-import sys
-from aiokv import MooncakeBackend
-backend = MooncakeBackend.from_master(sys.argv[1], global_segment_size="512MiB")
-print("ready", flush=True)
-sys.stdin.read()
-"""
-
 
 def run_engine(model: Path, config: Path, prompt: Path, use_cache: bool) -> dict[str, float]:
     env = {**os.environ, "MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1"}
@@ -85,7 +77,7 @@ def main() -> None:
 
     import numpy as np
 
-    from aiokv.backends.mooncake_master import MooncakeMaster
+    from aiokv.backends.mooncake_master import MooncakeMaster, segment_holder
     from aiokv.integrations.vllm.tiny_model import write_tiny_llama
 
     with tempfile.TemporaryDirectory() as tmp, MooncakeMaster() as master:
@@ -106,21 +98,10 @@ def main() -> None:
                 }
             )
         )
-        holder = subprocess.Popen(
-            [sys.executable, "-c", HOLDER, master.address],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            if holder.stdout is None or holder.stdout.readline().strip() != "ready":
-                raise SystemExit("the process holding the store's memory did not start")
+        with segment_holder(master.address, "512MiB"):
             baseline = run_engine(model, config, prompt, use_cache=False)
             first = run_engine(model, config, prompt, use_cache=True)
             second = run_engine(model, config, prompt, use_cache=True)
-        finally:
-            holder.kill()
-            holder.wait()
     print(f"prompt: {args.tokens} tokens")
     for name, run in (("engine 1 (computes, stores)", first), ("engine 2 (loads)", second)):
         print(f"{name:28}: hit {run['hit']:5} tokens, time to first token {run['ttft']:.3f} s")

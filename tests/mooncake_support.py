@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import subprocess
-import sys
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -162,40 +160,3 @@ def mooncake_backend(mooncake_master: MooncakeMaster) -> Iterator[Any]:
         yield backend
     finally:
         backend.close()
-
-
-_SEGMENT_HOLDER = """
-import sys
-from aiokv import MooncakeBackend
-backend = MooncakeBackend.from_master(sys.argv[1], global_segment_size="64MiB")
-print("ready", flush=True)
-sys.stdin.read()  # until the test closes our stdin
-backend.close()
-"""
-
-
-@contextlib.contextmanager
-def segment_holder(master_address: str, *, graceful: bool = True) -> Iterator[subprocess.Popen[str]]:
-    """Another process whose client mounts a 64 MiB global segment on the master: the store's bytes
-    live there, so the test's own clients can be pure clients of another process's memory.
-
-    ``graceful``: on exit close its stdin so it closes its client and exits (check ``returncode``);
-    otherwise kill it (after its master died, a segment's unmount waits out RPC timeouts).
-    """
-    holder = subprocess.Popen(
-        [sys.executable, "-c", _SEGMENT_HOLDER, master_address],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        if holder.stdout is None or holder.stdout.readline().strip() != "ready":
-            raise AssertionError("the segment-holding process did not start")
-        yield holder
-        if graceful:
-            holder.communicate(timeout=30)
-    finally:
-        if holder.poll() is None:
-            holder.kill()
-            holder.wait(30)

@@ -16,9 +16,7 @@ import pytest
 
 from aiokv import KVLayout, KVWorker
 from aiokv.backends.mooncake import MooncakeBackend
-from aiokv.backends.mooncake_master import MooncakeMaster
-
-from .mooncake_support import segment_holder
+from aiokv.backends.mooncake_master import MooncakeMaster, segment_holder
 
 N, BS, LAYERS, HEADS, DIM = 16, 16, 4, 2, 32
 SRC_IDS = [3, 4, 5, 6, 9, 1, 12, 13]
@@ -50,7 +48,7 @@ def remote_store(
     mooncake_backend_factory: Callable[..., MooncakeBackend],
 ) -> Iterator[MooncakeBackend]:
     master = mooncake_master_factory()
-    with segment_holder(master.address):
+    with segment_holder(master.address, graceful=True):
         yield mooncake_backend_factory(master.address, global_segment_size=0)
 
 

@@ -23,10 +23,10 @@ import pytest
 from aiokv.backends.base import INVALID, NO_SPACE, NOT_FOUND, OK, TRANSFER_FAILED
 from aiokv.backends.mooncake import MooncakeBackend, MooncakeConfig, _import_hint, parse_size
 from aiokv.backends.mooncake_calls import CallForm, call_form, prove
-from aiokv.backends.mooncake_master import MooncakeMaster, free_ports
+from aiokv.backends.mooncake_master import MooncakeMaster, free_ports, segment_holder
 from aiokv.errors import BackendError, BackendUnavailableError, InvalidRequestError
 
-from .mooncake_support import random_bytes, registered, require_mooncake, segment_holder, unique_keys
+from .mooncake_support import random_bytes, registered, require_mooncake, unique_keys
 
 MiB = 1 << 20
 BASE = {
@@ -387,7 +387,7 @@ def test_large_batch_into_another_process_segment(
 ) -> None:
     """16K slices to one peer over TCP: stalls 60 s and fails -800 unless the queue limits are raised."""
     master = mooncake_master_factory()  # its own: the other process's segment is the only one
-    with segment_holder(master.address) as holder:
+    with segment_holder(master.address, graceful=True) as holder:
         backend = mooncake_backend_factory(master.address, global_segment_size=0)  # stores nothing itself
         keys_n, regions, size = 64, 256, 1024
         src = random_bytes(keys_n * regions * size, seed=13)

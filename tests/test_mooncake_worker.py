@@ -27,7 +27,7 @@ from aiokv import (
 )
 from aiokv.backends.base import NO_SPACE, NOT_FOUND
 from aiokv.backends.mooncake import MooncakeBackend
-from aiokv.backends.mooncake_master import MooncakeMaster
+from aiokv.backends.mooncake_master import MooncakeMaster, segment_holder
 from aiokv.testing import (
     SENTINEL,
     FaultInjectingBackend,
@@ -47,7 +47,6 @@ from .helpers import (
     scattered,
     wait_until,
 )
-from .mooncake_support import segment_holder
 
 C = TWO_GROUPS_CHUNK_TOKENS
 SPECS = TWO_GROUP_SPECS

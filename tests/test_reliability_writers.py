@@ -28,10 +28,10 @@ from aiokv._engine import confirm as confirm_module
 from aiokv._engine.unreadable import UnreadableKeys
 from aiokv.backends import memory as memory_backend
 from aiokv.backends.base import NOT_FOUND, TRANSFER_FAILED, backend_traits, check_backend
+from aiokv.backends.mooncake_master import segment_holder
 from aiokv.codes import Code
 from aiokv.testing import SENTINEL, FaultInjectingBackend, FaultRule, PagedCache, chunk_value
 from tests.helpers import chunk_keys, read_value, wait_until
-from tests.mooncake_support import segment_holder
 
 pytestmark = pytest.mark.usefixtures("no_cyclic_gc_until_teardown")
 
@@ -263,7 +263,7 @@ async def test_a_second_mooncake_writer_counts_only_readable_chunks(
 ) -> None:
     """Of two Mooncake clients storing one prompt, the second counts only chunks that read back at once."""
     master = mooncake_master_factory()
-    with segment_holder(master.address):
+    with segment_holder(master.address, graceful=True):
         client_a = FaultInjectingBackend(mooncake_backend_factory(master.address, global_segment_size=0))
         client_b = PutObserver(mooncake_backend_factory(master.address, global_segment_size=0), client_a)
         engines = TwoEngines(client_a, namespace=f"writers-{uuid.uuid4().hex[:8]}", spec=MOONCAKE_SPEC)

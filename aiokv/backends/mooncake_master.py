@@ -18,10 +18,11 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -252,3 +253,44 @@ class MooncakeMaster:
         state = f"pid {self.pid}" if self.running else "stopped"
         where = self.address if self.rpc_port is not None else "no port yet"
         return f"MooncakeMaster({where}, {state})"
+
+
+_HOLDER_SCRIPT = """
+import sys
+from aiokv import MooncakeBackend
+backend = MooncakeBackend.from_master(sys.argv[1], global_segment_size=sys.argv[2])
+print("ready", flush=True)
+sys.stdin.read()  # until the parent closes our stdin
+backend.close()
+"""
+
+
+@contextlib.contextmanager
+def segment_holder(
+    master_address: str, segment_size: int | str = "64MiB", *, graceful: bool = False
+) -> Iterator[subprocess.Popen[str]]:
+    """Another process whose client mounts a global segment of ``segment_size`` on the master: the
+    store's bytes live there, so this process's clients (pure clients, ``global_segment_size`` 0) and
+    engines move every byte across processes, and the KV outlives whoever wrote it.
+
+    ``graceful``: on exit close its stdin so it closes its client and exits (check ``returncode``);
+    otherwise kill it (its segment's contents are no longer needed, and after its master died an
+    unmount would wait out RPC timeouts).
+    """
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER_SCRIPT, master_address, str(segment_size)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        if holder.stdout is None or holder.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the process mounting a segment on {master_address} did not start")
+        yield holder
+        if graceful:
+            holder.communicate(timeout=60)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(30)

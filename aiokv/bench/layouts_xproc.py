@@ -23,11 +23,10 @@ import asyncio
 import contextlib
 import functools
 import json
-import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any, TextIO
 
@@ -39,14 +38,6 @@ from ..runner import run
 from ..worker import KVWorker
 from .layout_caches import LayoutCache
 
-_HOLDER = """
-import sys
-from aiokv import MooncakeBackend
-backend = MooncakeBackend.from_master(sys.argv[1], global_segment_size=int(sys.argv[2]))
-print("ready", flush=True)
-sys.stdin.read()
-backend.close()
-"""
 _VOCAB = 128_000
 
 
@@ -85,24 +76,6 @@ class XScenario:
             ("block-major views, 1-block chunks", "block_major", one),
             (f"cross-layer, {multi // one}-block chunks", "cross_layer", multi),
         ]
-
-
-@contextlib.contextmanager
-def _segment_holder(master: str, segment_bytes: int) -> Iterator[None]:
-    holder = subprocess.Popen(
-        [sys.executable, "-c", _HOLDER, master, str(segment_bytes)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        if holder.stdout is None or holder.stdout.readline().strip() != "ready":
-            raise RuntimeError("the segment-holding process did not start")
-        yield
-        holder.communicate(timeout=60)
-    finally:
-        if holder.poll() is None:
-            holder.kill()
 
 
 def _best(walls: list[float], nbytes: int) -> dict[str, float]:
@@ -230,7 +203,7 @@ def run_xproc_benchmark(
 ) -> dict[str, Any]:
     """Every configuration on one master and one holder; returns figures and the goal ratios."""
     from ..backends.mooncake import MooncakeBackend
-    from ..backends.mooncake_master import MooncakeMaster
+    from ..backends.mooncake_master import MooncakeMaster, segment_holder
 
     say = progress or (lambda _: None)
     result: dict[str, Any] = {"scenario": asdict(xs), "prompt_bytes": xs.prompt_bytes, "configurations": []}
@@ -239,7 +212,7 @@ def run_xproc_benchmark(
             # A get's read lease (10 s by default) can run out while a loaded box moves a prompt
             # slice by slice; the transfer then fails -707 (lease expired).
             master = stack.enter_context(MooncakeMaster(extra_args=["--default_kv_lease_ttl=60000"])).address
-        stack.enter_context(_segment_holder(master, int(xs.prompt_bytes * 1.3) + (64 << 20)))
+        stack.enter_context(segment_holder(master, int(xs.prompt_bytes * 1.3) + (64 << 20), graceful=True))
         backend = MooncakeBackend.from_master(master, global_segment_size=0)
         stack.callback(backend.close)
         for seed, (label, kind, chunk_tokens) in enumerate(xs.configurations()):

@@ -20,7 +20,6 @@ import importlib.util
 import json
 import logging
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -39,32 +38,13 @@ from .vllm_figures import (
     round_figures,
     summarize,
 )
+from .vllm_workload import BLOCK_SIZE, MODEL_SHAPE, build_workload, stored_bytes_estimate
 
 logger = logging.getLogger("aiokv.bench.vllm")
 
 CONFIGS = ("recompute", "vllm", "aiokv", "aiokv-vllm-keys")
 AIOKV_CONFIGS = ("aiokv", "aiokv-vllm-keys")
 ENGINE_TIMEOUT_S = 1200.0
-
-# The model of ../shared/vllm-cpu.md's measurement: many layers, small hidden, 16 KiB of KV per token.
-MODEL_SHAPE = {
-    "num_layers": 16,
-    "hidden_size": 256,
-    "num_heads": 2,
-    "num_kv_heads": 2,
-    "head_dim": 128,
-    "intermediate_size": 512,
-    "vocab_size": 1024,
-}
-BLOCK_SIZE = 128  # the CPU attention backend's block size
-
-_HOLDER = """
-import sys
-from aiokv import MooncakeBackend
-backend = MooncakeBackend.from_master(sys.argv[1], global_segment_size=int(sys.argv[2]))
-print("ready", flush=True)
-sys.stdin.read()  # until the benchmark closes our stdin
-"""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -121,54 +101,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-# -- workload -------------------------------------------------------------------------------------
-
-
-def build_workload(args: argparse.Namespace) -> dict[str, Any]:
-    """Prompts every configuration runs, seeded; token ids avoid the few special ids."""
-    rng = random.Random(args.seed)
-    vocab = MODEL_SHAPE["vocab_size"]
-
-    def ids(count: int) -> list[int]:
-        return [rng.randrange(3, vocab) for _ in range(count)]
-
-    def prompt(name: str, tokens: list[int], max_tokens: int) -> dict[str, Any]:
-        return {"name": name, "ids": tokens, "max_tokens": max_tokens}
-
-    sizes = [int(size) for size in args.prompt_tokens.split(",") if size.strip()]
-    out = args.output_tokens
-    long_ids = {size: ids(size) for size in sizes}
-    prefixes = [ids(args.prefix_tokens) for _ in range(args.prefixes)]
-
-    def mixed(tag: str) -> list[dict[str, Any]]:
-        return [
-            prompt(f"{tag}-p{p}-r{r}", prefixes[p] + ids(args.suffix_tokens), out)
-            for r in range(args.per_prefix)
-            for p in range(args.prefixes)
-        ]
-
-    warmup = prompt("warmup", ids(4 * BLOCK_SIZE), out)
-    # The storing engine asks for one token: the request ends with its prefill step, so what follows
-    # until the scheduler lets go of it is the store alone.
-    store_long = [prompt(f"long{size}", long_ids[size], 1) for size in sizes]
-    load_long = [prompt(f"long{size}", long_ids[size], out) for size in sizes]
-    probe = [
-        prompt("probe-decode", ids(64), args.probe_steps),
-        prompt("probe-stored", ids(args.probe_tokens), 1),
-    ]
-    return {
-        "store": {"warmup": warmup, "long": store_long, "probe": probe, "mixed": mixed("mixed-a")},
-        "load": {"warmup": warmup, "long": load_long, "mixed": mixed("mixed-b"), "repeats": args.repeats},
-        "max_model_len": max([*sizes, args.probe_tokens + 64, args.prefix_tokens + args.suffix_tokens]) + 64,
-    }
-
-
-def stored_bytes_estimate(workload: dict[str, Any], block_bytes: int) -> int:
-    prompts = [workload["store"]["warmup"], *workload["store"]["long"], *workload["store"]["probe"]]
-    prompts += workload["store"]["mixed"] + workload["load"]["mixed"]
-    return sum(len(p["ids"]) // BLOCK_SIZE for p in prompts) * block_bytes
-
-
 # -- store and engines ----------------------------------------------------------------------------
 
 
@@ -210,24 +142,10 @@ def kv_transfer_config(
 @contextlib.contextmanager
 def mooncake_store(segment_bytes: int) -> Iterator[str]:
     """A fresh master and a holder process mounting ``segment_bytes``; yields the master's address."""
-    from ..backends.mooncake_master import MooncakeMaster
+    from ..backends.mooncake_master import MooncakeMaster, segment_holder
 
-    with MooncakeMaster() as master:
-        holder = subprocess.Popen(
-            [sys.executable, "-c", _HOLDER, master.address, str(segment_bytes)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        try:
-            if holder.stdout is None or holder.stdout.readline().strip() != "ready":
-                raise RuntimeError("the segment-holding process did not start")
-            yield master.address
-        finally:
-            # Killed rather than closed: its segment's contents are no longer needed.
-            holder.kill()
-            holder.wait(30)
+    with MooncakeMaster() as master, segment_holder(master.address, segment_bytes):
+        yield master.address
 
 
 def engine_env(config_path: Path | None, kv_cache_gib: int) -> dict[str, str]:

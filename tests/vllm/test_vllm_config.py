@@ -183,3 +183,26 @@ def test_stats_through_vllms_hooks() -> None:
     )
     prom.observe(stats.data, engine_idx=0)
     assert registry.get_sample_value("vllm:aiokv_chunks_loaded_total", {"engine": "0"}) == 4
+
+
+def test_aiokv_records_go_through_vllms_handlers_only_when_nothing_else_is_configured(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    require_vllm()
+    import logging
+
+    from aiokv.integrations.vllm.connector import log_through_vllm
+
+    ours, root, theirs = logging.getLogger("aiokv"), logging.getLogger(), logging.getLogger("vllm")
+    handler = logging.NullHandler()
+    monkeypatch.setattr(theirs, "handlers", [handler])
+    monkeypatch.setattr(ours, "handlers", [])
+    monkeypatch.setattr(ours, "level", logging.NOTSET)
+    monkeypatch.setattr(root, "handlers", [logging.NullHandler()])  # the application's own
+    log_through_vllm()
+    assert ours.handlers == []
+    monkeypatch.setattr(root, "handlers", [])
+    log_through_vllm()
+    assert ours.handlers == [handler] and ours.level == theirs.getEffectiveLevel()
+    log_through_vllm()  # idempotent: aiokv now has a handler
+    assert ours.handlers == [handler]

@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from aiokv.backends.mooncake_master import segment_holder
 from aiokv.integrations.vllm.tiny_model import write_tiny_deepseek_mla
-from tests.mooncake_support import registered, require_mooncake, segment_holder
+from tests.mooncake_support import registered, require_mooncake
 from tests.vllm import support
 from tests.vllm.support import (
     MOONCAKE_ENV,

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
+from aiokv.backends.mooncake_master import segment_holder
 from aiokv.integrations.vllm.tiny_model import write_tiny_llama
-from tests.mooncake_support import require_mooncake, segment_holder
+from tests.mooncake_support import require_mooncake
 from tests.vllm.support import (
     BLOCK,
     MOONCAKE_ENV,

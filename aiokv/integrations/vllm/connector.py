@@ -30,11 +30,27 @@ from .worker import WorkerSide
 logger = logging.getLogger("aiokv.vllm")
 
 
+def log_through_vllm() -> None:
+    """Inside vLLM, aiokv's records go where vLLM's go, unless the application configured logging.
+
+    vLLM configures only its own ``vllm`` logger; with no handler on ``aiokv`` or the root logger, the
+    connector's INFO lines (registration, key scope) would never show and its warnings would lose
+    vLLM's format."""
+    ours, root, theirs = logging.getLogger("aiokv"), logging.getLogger(), logging.getLogger("vllm")
+    if ours.handlers or root.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(theirs.getEffectiveLevel())
+
+
 class AiokvConnector(KVConnectorBase_V1):
     """Loads and stores full KV blocks through aiokv (Mooncake, or the embedded store)."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        log_through_vllm()
         if kv_cache_config is None:
             raise ValueError("AiokvConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
         transfer = vllm_config.kv_transfer_config
