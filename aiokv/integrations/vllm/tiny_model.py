@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import pathlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,29 +27,53 @@ def _linear(rng: np.random.Generator, out_features: int, in_features: int, gain:
     return (rng.standard_normal((out_features, in_features), dtype=np.float32) * scale).astype(np.float32)
 
 
-def _weights(
+Linear = Callable[..., np.ndarray]  # (out_features, in_features[, gain]) -> seeded weights
+
+
+def _decoder(
     *,
+    architecture: str,
+    model_type: str,
     num_layers: int,
     hidden_size: int,
     num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
     intermediate_size: int,
     vocab_size: int,
+    rms_norm_eps: float,
     seed: int,
-) -> dict[str, np.ndarray]:
+    attention: Callable[[Linear], dict[str, np.ndarray]],
+    **config_extra: Any,
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The config and weights both models share: embeddings, per layer ``attention``'s weights (named
+    under ``self_attn.``) then a SiLU-gated MLP and RMS norms, the final norm and ``lm_head``. The draw
+    order is fixed, so equal arguments give equal bytes."""
+    config: dict[str, Any] = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "vocab_size": vocab_size,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": rms_norm_eps,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        **config_extra,
+    }
     rng = np.random.default_rng(seed)
     linear = functools.partial(_linear, rng)
-
     weights: dict[str, np.ndarray] = {
         "model.embed_tokens.weight": rng.standard_normal((vocab_size, hidden_size), dtype=np.float32)
     }
     for layer in range(num_layers):
         prefix = f"model.layers.{layer}."
-        weights[prefix + "self_attn.q_proj.weight"] = linear(num_heads * head_dim, hidden_size)
-        weights[prefix + "self_attn.k_proj.weight"] = linear(num_kv_heads * head_dim, hidden_size)
-        weights[prefix + "self_attn.v_proj.weight"] = linear(num_kv_heads * head_dim, hidden_size)
-        weights[prefix + "self_attn.o_proj.weight"] = linear(hidden_size, num_heads * head_dim)
+        for name, weight in attention(linear).items():
+            weights[prefix + "self_attn." + name] = weight
         weights[prefix + "mlp.gate_proj.weight"] = linear(intermediate_size, hidden_size)
         weights[prefix + "mlp.up_proj.weight"] = linear(intermediate_size, hidden_size)
         weights[prefix + "mlp.down_proj.weight"] = linear(hidden_size, intermediate_size)
@@ -56,7 +81,7 @@ def _weights(
         weights[prefix + "post_attention_layernorm.weight"] = np.ones(hidden_size, dtype=np.float32)
     weights["model.norm.weight"] = np.ones(hidden_size, dtype=np.float32)
     weights["lm_head.weight"] = linear(vocab_size, hidden_size, LM_HEAD_GAIN)
-    return weights
+    return config, weights
 
 
 def write_tiny_llama(
@@ -87,36 +112,32 @@ def write_tiny_llama(
     )
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_kv_heads,
-        "head_dim": head_dim,
-        "vocab_size": vocab_size,
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    weights = _weights(
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        intermediate_size=intermediate_size,
-        vocab_size=vocab_size,
-        seed=seed,
+
+    def attention(linear: Linear) -> dict[str, np.ndarray]:
+        return {
+            "q_proj.weight": linear(num_heads * head_dim, hidden_size),
+            "k_proj.weight": linear(num_kv_heads * head_dim, hidden_size),
+            "v_proj.weight": linear(num_kv_heads * head_dim, hidden_size),
+            "o_proj.weight": linear(hidden_size, num_heads * head_dim),
+        }
+
+    return _save(
+        path,
+        *_decoder(
+            architecture="LlamaForCausalLM",
+            model_type="llama",
+            num_layers=num_layers,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            intermediate_size=intermediate_size,
+            vocab_size=vocab_size,
+            rms_norm_eps=1e-5,
+            seed=seed,
+            attention=attention,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+        ),
     )
-    return _save(path, config, weights)
 
 
 def _check_sizes(**sizes: int) -> None:
@@ -171,55 +192,42 @@ def write_tiny_deepseek_mla(
         vocab_size=vocab_size,
     )
     rank, rope = MLA_KV_LORA_RANK, MLA_ROPE_HEAD_DIM
-    config: dict[str, Any] = {
-        "architectures": ["DeepseekV2ForCausalLM"],
-        "model_type": "deepseek_v2",
-        "hidden_size": hidden_size,
-        "intermediate_size": intermediate_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": num_heads,
-        "num_key_value_heads": num_heads,
-        "kv_lora_rank": rank,
-        "q_lora_rank": None,
-        "qk_nope_head_dim": nope_head_dim,
-        "qk_rope_head_dim": rope,
-        "v_head_dim": v_head_dim,
-        "first_k_dense_replace": num_layers,
-        # Required by the config class; unused, as no layer has experts.
-        "n_routed_experts": 1,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 1,
-        "moe_intermediate_size": intermediate_size,
-        "moe_layer_freq": 1,
-        "vocab_size": vocab_size,
-        "max_position_embeddings": 32768,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    rng = np.random.default_rng(seed)
-    linear = functools.partial(_linear, rng)
-    weights: dict[str, np.ndarray] = {
-        "model.embed_tokens.weight": rng.standard_normal((vocab_size, hidden_size), dtype=np.float32)
-    }
-    for layer in range(num_layers):
-        prefix = f"model.layers.{layer}."
-        weights[prefix + "self_attn.q_proj.weight"] = linear(num_heads * (nope_head_dim + rope), hidden_size)
-        weights[prefix + "self_attn.kv_a_proj_with_mqa.weight"] = linear(rank + rope, hidden_size)
-        weights[prefix + "self_attn.kv_a_layernorm.weight"] = np.ones(rank, dtype=np.float32)
-        kv_b_rows = num_heads * (nope_head_dim + v_head_dim)
-        weights[prefix + "self_attn.kv_b_proj.weight"] = linear(kv_b_rows, rank)
-        weights[prefix + "self_attn.o_proj.weight"] = linear(hidden_size, num_heads * v_head_dim)
-        weights[prefix + "mlp.gate_proj.weight"] = linear(intermediate_size, hidden_size)
-        weights[prefix + "mlp.up_proj.weight"] = linear(intermediate_size, hidden_size)
-        weights[prefix + "mlp.down_proj.weight"] = linear(hidden_size, intermediate_size)
-        weights[prefix + "input_layernorm.weight"] = np.ones(hidden_size, dtype=np.float32)
-        weights[prefix + "post_attention_layernorm.weight"] = np.ones(hidden_size, dtype=np.float32)
-    weights["model.norm.weight"] = np.ones(hidden_size, dtype=np.float32)
-    weights["lm_head.weight"] = linear(vocab_size, hidden_size, LM_HEAD_GAIN)
-    return _save(path, config, weights)
+
+    def attention(linear: Linear) -> dict[str, np.ndarray]:
+        return {
+            "q_proj.weight": linear(num_heads * (nope_head_dim + rope), hidden_size),
+            "kv_a_proj_with_mqa.weight": linear(rank + rope, hidden_size),
+            "kv_a_layernorm.weight": np.ones(rank, dtype=np.float32),
+            "kv_b_proj.weight": linear(num_heads * (nope_head_dim + v_head_dim), rank),
+            "o_proj.weight": linear(hidden_size, num_heads * v_head_dim),
+        }
+
+    return _save(
+        path,
+        *_decoder(
+            architecture="DeepseekV2ForCausalLM",
+            model_type="deepseek_v2",
+            num_layers=num_layers,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            intermediate_size=intermediate_size,
+            vocab_size=vocab_size,
+            rms_norm_eps=1e-6,
+            seed=seed,
+            attention=attention,
+            num_key_value_heads=num_heads,
+            kv_lora_rank=rank,
+            q_lora_rank=None,
+            qk_nope_head_dim=nope_head_dim,
+            qk_rope_head_dim=rope,
+            v_head_dim=v_head_dim,
+            first_k_dense_replace=num_layers,
+            # Required by the config class; unused, as no layer has experts.
+            n_routed_experts=1,
+            n_shared_experts=1,
+            num_experts_per_tok=1,
+            moe_intermediate_size=intermediate_size,
+            moe_layer_freq=1,
+            attention_bias=False,
+        ),
+    )
