@@ -7,19 +7,22 @@ where they fail.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.mooncake_support import in_ci
+from aiokv.backends.mooncake_master import segment_holder
+from tests.mooncake_support import in_ci, require_mooncake
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB_SCRIPT = Path(__file__).with_name("engine_job.py")
@@ -93,6 +96,16 @@ def standalone_config(path: Path, master_address: str) -> Path:
 
 
 MOONCAKE_ENV = {"MOONCAKE_REQUESTER_LOCAL_HOSTNAME": "127.0.0.1", "VLLM_HOST_IP": "127.0.0.1"}
+
+
+@contextlib.contextmanager
+def store_world(root: Path, master_address: str) -> Iterator[dict[str, Any]]:
+    """What the Mooncake engine tests share: a process holding the store's segment (the engines are
+    pure clients, so the KV outlives the engine that wrote it) and the engines' Mooncake JSON."""
+    require_vllm()
+    require_mooncake()
+    with segment_holder(master_address, graceful=False):
+        yield {"root": root, "mooncake_config": standalone_config(root / "mooncake.json", master_address)}
 
 
 def run_engine(

@@ -23,9 +23,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiokv.backends.mooncake_master import segment_holder
 from aiokv.integrations.vllm.tiny_model import write_tiny_deepseek_mla
-from tests.mooncake_support import registered, require_mooncake
+from tests.mooncake_support import registered
 from tests.vllm import support
 from tests.vllm.support import (
     MOONCAKE_ENV,
@@ -35,10 +34,9 @@ from tests.vllm.support import (
     generate,
     read_key_log,
     read_value,
-    require_vllm,
     run_engine,
     same_outputs,
-    standalone_config,
+    store_world,
     tokens,
 )
 
@@ -60,15 +58,9 @@ PREFIX_CACHE_JOB = Path(support.__file__).with_name("prefix_cache_job.py")
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory, mooncake_master: Any) -> Iterator[dict[str, Any]]:
-    require_vllm()
-    require_mooncake()
-    root = tmp_path_factory.mktemp("vllm-mla")
-    with segment_holder(mooncake_master.address, graceful=False):
-        yield {
-            "root": root,
-            "model": write_tiny_deepseek_mla(root / "tiny-mla"),
-            "mooncake_config": standalone_config(root / "mooncake.json", mooncake_master.address),
-        }
+    with store_world(tmp_path_factory.mktemp("vllm-mla"), mooncake_master.address) as world:
+        world["model"] = write_tiny_deepseek_mla(world["root"] / "tiny-mla")
+        yield world
 
 
 def parallel(tp: int) -> tuple[dict[str, Any], dict[str, str]]:

@@ -14,18 +14,15 @@ from typing import Any
 
 import pytest
 
-from aiokv.backends.mooncake_master import segment_holder
 from aiokv.integrations.vllm.tiny_model import write_tiny_llama
-from tests.mooncake_support import require_mooncake
 from tests.vllm.support import (
     BLOCK,
     MOONCAKE_ENV,
     connector,
     generate,
-    require_vllm,
     run_engine,
     same_outputs,
-    standalone_config,
+    store_world,
     tokens,
     vllm_mooncake_connector,
 )
@@ -44,16 +41,10 @@ MODEL_NAME = "tiny-llama"  # both weight sets store under one name: the control'
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory, mooncake_master: Any) -> Iterator[dict[str, Any]]:
-    require_vllm()
-    require_mooncake()
-    root = tmp_path_factory.mktemp("vllm-mooncake")
-    with segment_holder(mooncake_master.address, graceful=False):
-        yield {
-            "root": root,
-            "model": write_tiny_llama(root / MODEL_NAME),
-            "other_model": write_tiny_llama(root / "other" / MODEL_NAME, seed=1),
-            "mooncake_config": standalone_config(root / "mooncake.json", mooncake_master.address),
-        }
+    with store_world(tmp_path_factory.mktemp("vllm-mooncake"), mooncake_master.address) as world:
+        world["model"] = write_tiny_llama(world["root"] / MODEL_NAME)
+        world["other_model"] = write_tiny_llama(world["root"] / "other" / MODEL_NAME, seed=1)
+        yield world
 
 
 def aiokv(world: dict[str, Any], **extra: Any) -> dict[str, Any]:

@@ -17,9 +17,7 @@ from typing import Any
 
 import pytest
 
-from aiokv.backends.mooncake_master import segment_holder
 from aiokv.integrations.vllm.tiny_model import write_tiny_llama
-from tests.mooncake_support import require_mooncake
 from tests.vllm.support import (
     BLOCK,
     MOONCAKE_ENV,
@@ -32,7 +30,7 @@ from tests.vllm.support import (
     require_vllm,
     run_engine,
     same_outputs,
-    standalone_config,
+    store_world,
     tokens,
 )
 
@@ -55,15 +53,9 @@ PP2_ENGINE = {
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory, mooncake_master: Any) -> Iterator[dict[str, Any]]:
-    require_vllm()
-    require_mooncake()
-    root = tmp_path_factory.mktemp("vllm-parallel")
-    with segment_holder(mooncake_master.address, graceful=False):
-        yield {
-            "root": root,
-            "model": write_tiny_llama(root / "tiny-llama"),
-            "mooncake_config": standalone_config(root / "mooncake.json", mooncake_master.address),
-        }
+    with store_world(tmp_path_factory.mktemp("vllm-parallel"), mooncake_master.address) as world:
+        world["model"] = write_tiny_llama(world["root"] / "tiny-llama")
+        yield world
 
 
 def logged(world: dict[str, Any], engine: str) -> tuple[dict[str, Any], dict[str, str]]:
