@@ -69,40 +69,42 @@ def logged(world: dict[str, Any], engine: str) -> tuple[dict[str, Any], dict[str
     return kv, {**MOONCAKE_ENV, "AIOKV_TEST_KEY_LOG": str(world["root"] / f"{engine}.keys.jsonl")}
 
 
+def reference(world: dict[str, Any], name: str, engine: dict[str, Any], env: dict[str, str]) -> Any:
+    """No connector: the prompt "cold", then "warm" (vLLM's own prefix cache holds the 16 blocks a
+    loading engine loads: the same reused/computed split)."""
+    steps = [generate("cold", [PROMPT]), generate("warm", [PROMPT])]
+    return run_engine(
+        world["root"], name, model=world["model"], engine=engine, env=env, steps=steps,
+        timeout=PARALLEL_TIMEOUT_S,
+    )  # fmt: skip
+
+
+def given_the_prompt(
+    world: dict[str, Any], name: str, engine: dict[str, Any], env: dict[str, str], *, stores: bool = False
+) -> dict[str, Any]:
+    """An engine with the key-logging connector given the prompt; its run and the keys it put and got.
+    ``stores``: it stays up 3 s after, while its stores finish in the background."""
+    kv, log_env = logged(world, name)
+    steps = [generate("p", [PROMPT])]
+    if stores:
+        steps.append({"op": "sleep", "seconds": 3})
+    run = run_engine(
+        world["root"], name, model=world["model"], engine=engine, env={**env, **log_env},
+        kv_transfer_config=kv, steps=steps, timeout=PARALLEL_TIMEOUT_S,
+    )  # fmt: skip
+    return {name: run, f"{name}_keys": read_key_log(world["root"] / f"{name}.keys.jsonl")}
+
+
 @pytest.fixture(scope="module")
 def runs(world: dict[str, Any]) -> dict[str, Any]:
     """The references (no connector; TP 2 "cold" and "warm", TP 1 cold), then A (TP 2) stores the
     prompt, B (TP 2, another process) and C (TP 1) are given it."""
-    root, model = world["root"], world["model"]
-    out: dict[str, Any] = {}
-    # "warm": vLLM's own prefix cache holds the 16 blocks B loads (the same reused/computed split).
-    out["ref_tp2"] = run_engine(
-        root,
-        "ref_tp2",
-        model=model,
-        engine=TP2_ENGINE,
-        env=PARALLEL_ENV,
-        steps=[generate("cold", [PROMPT]), generate("warm", [PROMPT])],
-        timeout=PARALLEL_TIMEOUT_S,
-    )
-    out["ref_tp1"] = run_engine(root, "ref_tp1", model=model, steps=[generate("cold", [PROMPT])])
-    tp2: tuple[dict[str, Any], dict[str, str]] = (TP2_ENGINE, PARALLEL_ENV)
-    for name, (engine, env) in [("A", tp2), ("B", tp2), ("C", ({}, {}))]:
-        kv, log_env = logged(world, name)
-        steps = [generate("p", [PROMPT])]
-        if name == "A":
-            steps.append({"op": "sleep", "seconds": 3})  # stores finish in the background
-        out[name] = run_engine(
-            root,
-            name,
-            model=model,
-            engine=engine,
-            env={**env, **log_env},
-            kv_transfer_config=kv,
-            steps=steps,
-            timeout=PARALLEL_TIMEOUT_S,
-        )
-        out[f"{name}_keys"] = read_key_log(root / f"{name}.keys.jsonl")
+    out: dict[str, Any] = {"ref_tp2": reference(world, "ref_tp2", TP2_ENGINE, PARALLEL_ENV)}
+    steps = [generate("cold", [PROMPT])]
+    out["ref_tp1"] = run_engine(world["root"], "ref_tp1", model=world["model"], steps=steps)
+    out |= given_the_prompt(world, "A", TP2_ENGINE, PARALLEL_ENV, stores=True)
+    out |= given_the_prompt(world, "B", TP2_ENGINE, PARALLEL_ENV)
+    out |= given_the_prompt(world, "C", {}, {})
     return out
 
 
@@ -169,38 +171,14 @@ def test_other_tp_size_misses_and_stays_exact(runs: dict[str, Any], mooncake_bac
 @pytest.fixture(scope="module")
 def pp_runs(world: dict[str, Any]) -> dict[str, Any]:
     """With PP 2: the reference (cold, warm), A stores the prompt, B (another process) loads it."""
-    root, model = world["root"], world["model"]
-    out: dict[str, Any] = {}
-    out["ref"] = run_engine(
-        root,
-        "ref_pp2",
-        model=model,
-        engine=PP2_ENGINE,
-        env=PARALLEL_ENV,
-        steps=[generate("cold", [PROMPT]), generate("warm", [PROMPT])],
-        timeout=PARALLEL_TIMEOUT_S,
-    )
-    for name in ("A", "B"):
-        kv, log_env = logged(world, f"pp_{name}")
-        steps = [generate("p", [PROMPT])]
-        if name == "A":
-            steps.append({"op": "sleep", "seconds": 3})
-        out[name] = run_engine(
-            root,
-            f"pp_{name}",
-            model=model,
-            engine=PP2_ENGINE,
-            env={**PARALLEL_ENV, **log_env},
-            kv_transfer_config=kv,
-            steps=steps,
-            timeout=PARALLEL_TIMEOUT_S,
-        )
-        out[f"{name}_keys"] = read_key_log(root / f"pp_{name}.keys.jsonl")
+    out: dict[str, Any] = {"ref": reference(world, "ref_pp2", PP2_ENGINE, PARALLEL_ENV)}
+    out |= given_the_prompt(world, "pp_A", PP2_ENGINE, PARALLEL_ENV, stores=True)
+    out |= given_the_prompt(world, "pp_B", PP2_ENGINE, PARALLEL_ENV)
     return out
 
 
 def test_pp2_engine_loads_every_full_block_and_matches(pp_runs: dict[str, Any]) -> None:
-    got = only(pp_runs["B"], "p")
+    got = only(pp_runs["pp_B"], "p")
     assert got["cached"] == 16 * BLOCK
     # Bitwise equal to vLLM reusing the same 2,048 tokens itself. (That reuse already changes the
     # sixth greedy token of a whole-prompt run at PP 2 here, a near tie: so no comparison with it.)
@@ -210,16 +188,16 @@ def test_pp2_engine_loads_every_full_block_and_matches(pp_runs: dict[str, Any]) 
 def test_each_pp_stage_stores_and_loads_its_own_layers(
     pp_runs: dict[str, Any], mooncake_backend: Any
 ) -> None:
-    puts = keys_by_rank(pp_runs["A_keys"], "put", rank="pp_rank")
+    puts = keys_by_rank(pp_runs["pp_A_keys"], "put", rank="pp_rank")
     assert sorted(puts) == [0, 1], puts.keys()
     assert all(len(set(keys)) == CHUNKS for keys in puts.values()), puts
     assert all(re.search(r"@tp1pp2/.*\.tp0\.pp0/", key) for key in puts[0]), puts[0]
     assert all(re.search(r"@tp1pp2/.*\.tp0\.pp1/", key) for key in puts[1]), puts[1]
     assert mooncake_backend.batch_exists(puts[0] + puts[1]) == [True] * (2 * CHUNKS)
     # One of the model's two layers per stage: a chunk is 4 blocks of one layer.
-    sizes = {entry["sizes"][0] for entry in pp_runs["A_keys"] if entry["op"] == "put"}
+    sizes = {entry["sizes"][0] for entry in pp_runs["pp_A_keys"] if entry["op"] == "put"}
     assert sizes == {4 * 64 * 1024}, sizes
-    gets = keys_by_rank(pp_runs["B_keys"], "get", rank="pp_rank")
+    gets = keys_by_rank(pp_runs["pp_B_keys"], "get", rank="pp_rank")
     assert {rank: sorted(set(keys)) for rank, keys in gets.items()} == {
         rank: sorted(set(keys)) for rank, keys in puts.items()
     }
