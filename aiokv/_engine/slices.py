@@ -25,7 +25,7 @@ import time
 import weakref
 from collections.abc import Iterator
 
-SLICE_S = 0.002  # work on the loop between yields
+SLICE_S = 0.0005  # work on the loop between yields
 PIECE_KEYS = 4096  # keys per piece of a per-key step (~0.5 ms of key building or dict operations)
 URGENT_SLICE_S = 0.0003  # work on the loop between yields while a lookup is in flight
 URGENT_PAUSE_S = 0.0002  # the loop idle (the GIL free) after such a slice, if nothing else is ready
