@@ -11,11 +11,11 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
 from .backends.base import Backend
-from .errors import WorkerClosedError
+from .errors import InvalidRequestError, WorkerClosedError
 from .futures import TransferFuture
 from .keys import HashedPrompt, KeyNamespace, TokenIds
 from .layout import KVLayout
@@ -119,6 +119,24 @@ class ThreadedKVWorker:
     ) -> SyncTransferFuture[LoadResult]:
         return self._submit(self._worker.load, tokens, block_ids, timeout)
 
+    def store_many(
+        self, requests: Iterable[tuple[TokenIds | HashedPrompt, BlockIds]], *, timeout: float | None = None
+    ) -> list[concurrent.futures.Future[StoreResult]]:
+        """:meth:`store` for several requests with one hop to the worker's loop: each :meth:`store`
+        waits for the loop thread to take its request (about a millisecond, more while other Python
+        threads hold the GIL), so an engine submitting every request of a step at once calls this.
+
+        One future per request, in order. A request whose arguments are refused gets a future already
+        failed with that error (``InvalidRequestError``/``TypeError``); the others are submitted. A
+        closed worker raises ``WorkerClosedError`` here, as :meth:`store` does."""
+        return self._submit_many(self._worker.store, list(requests), timeout)
+
+    def load_many(
+        self, requests: Iterable[tuple[TokenIds | HashedPrompt, BlockIds]], *, timeout: float | None = None
+    ) -> list[concurrent.futures.Future[LoadResult]]:
+        """:meth:`load` for several requests with one hop to the worker's loop; as :meth:`store_many`."""
+        return self._submit_many(self._worker.load, list(requests), timeout)
+
     def lookup(self, tokens: TokenIds | HashedPrompt, *, timeout: float | None = None) -> int:
         return self._run(self._worker.lookup(tokens), timeout)
 
@@ -164,15 +182,34 @@ class ThreadedKVWorker:
         block_ids: BlockIds,
         timeout: float | None,
     ) -> SyncTransferFuture[T]:
-        def submit() -> SyncTransferFuture[T]:
-            transfer = method(tokens, block_ids, timeout=timeout)
-            future = SyncTransferFuture(self, transfer)
-            transfer.add_done_callback(future._settle)
-            if transfer.done():  # settled at the call (nothing to move): done when store() returns
-                future._settle(transfer)
-            return future
+        return self._call(lambda: self._submitted(method(tokens, block_ids, timeout=timeout)))
 
-        return self._call(submit)
+    def _submit_many(
+        self,
+        method: Callable[..., TransferFuture[T]],
+        requests: list[tuple[TokenIds | HashedPrompt, BlockIds]],
+        timeout: float | None,
+    ) -> list[concurrent.futures.Future[T]]:
+        def submit_all() -> list[concurrent.futures.Future[T]]:
+            futures: list[concurrent.futures.Future[T]] = []
+            for tokens, block_ids in requests:
+                try:
+                    futures.append(self._submitted(method(tokens, block_ids, timeout=timeout)))
+                except (InvalidRequestError, TypeError) as exc:
+                    refused: concurrent.futures.Future[T] = concurrent.futures.Future()
+                    refused.set_exception(exc)
+                    futures.append(refused)
+            return futures
+
+        return self._call(submit_all)
+
+    def _submitted(self, transfer: TransferFuture[T]) -> SyncTransferFuture[T]:
+        """The thread-safe future of ``transfer`` (on the loop thread)."""
+        future = SyncTransferFuture(self, transfer)
+        transfer.add_done_callback(future._settle)
+        if transfer.done():  # settled at the call (nothing to move): done when store() returns
+            future._settle(transfer)
+        return future
 
     def _call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the loop thread and return its result (or raise its exception) here; raises

@@ -256,3 +256,34 @@ def test_terminate_fails_queued_work_at_once_and_waits_for_the_call_in_flight(
     assert not terminating.is_alive()
     assert running.done()
     assert not aiokv_threads() - before
+
+
+def test_store_many_and_load_many_move_every_request_and_fail_only_the_refused_one(
+    cache: PagedCache, backend: FaultInjectingBackend, loop_factory: Callable[[], Any]
+) -> None:
+    """Several requests in one hop to the loop: each its own future, in order; a request with bad
+    arguments gets a failed future and the others move their bytes."""
+    from aiokv import InvalidRequestError
+
+    chunks = 2
+    prompts = [prompt(70 + i, chunks) for i in range(3)]
+    src = [consecutive(chunks, start=i * 8) for i in range(3)]
+    dst = [consecutive(chunks, start=24 + i * 8) for i in range(3)]
+    bad_blocks = [np.array([-1]), np.array([-1])]  # negative block ids: refused at the call
+    with make(cache, backend, loop_factory) as worker:
+        stored = worker.store_many([(prompts[0], src[0]), (prompts[1], bad_blocks), (prompts[2], src[2])])
+        assert len(stored) == 3
+        with pytest.raises(InvalidRequestError):
+            stored[1].result(SAFETY_TIMEOUT_S)
+        for i in (0, 2):
+            assert stored[i].result(SAFETY_TIMEOUT_S).stored == chunks
+        loaded = worker.load_many([(prompts[i], dst[i]) for i in (0, 2)])
+        for future in loaded:
+            result = future.result(SAFETY_TIMEOUT_S)
+            assert result.loaded_tokens == chunks * C and result.failed_block_ids == ((), ())
+    for i in (0, 2):
+        for g, group in enumerate(cache.groups):
+            assert same_blocks(group, src[i][g], group, dst[i][g])
+    assert set(backend.keys_seen("put")) == keys_of(prompts[0], cache) | keys_of(prompts[2], cache)
+    with pytest.raises(WorkerClosedError):
+        worker.store_many([(prompts[0], src[0])])

@@ -119,16 +119,10 @@ class WorkerSide:
                 _wait_all(futures, f"preempted request {req_id}")
 
     def start_load_kv(self, meta: AiokvConnectorMetadata) -> None:
+        wanted = [spec for spec in meta.loads if spec.prompt.hashes]
+        futures = dict(zip((spec.req_id for spec in wanted), self._submit("load", wanted), strict=True))
         for spec in meta.loads:
-            future = None
-            if self._worker is not None and spec.prompt.hashes:
-                try:
-                    future = self._worker.load(
-                        spec.prompt, [list(spec.block_ids)], timeout=self.config.load_timeout_s
-                    )
-                except Exception as exc:
-                    logger.warning("aiokv: load for %s refused (%s); recomputing it", spec.req_id, exc)
-            self._loads[spec.req_id] = (future, spec)
+            self._loads[spec.req_id] = (futures.get(spec.req_id), spec)
             self.events["loads_submitted"] += 1
         if meta.sync_loads:
             # The forward reads these blocks in this step.
@@ -142,19 +136,31 @@ class WorkerSide:
             import torch
 
             torch.cuda.current_stream().synchronize()  # this step's KV must be written before it is read
-        for spec in meta.stores:
-            self._with_stores.add(spec.req_id)
-            if self._worker is None or not self.writes:
+        self._with_stores.update(spec.req_id for spec in meta.stores)
+        if not self.writes:
+            return
+        for spec, future in zip(meta.stores, self._submit("store", meta.stores), strict=True):
+            if future is None:
                 continue
-            try:
-                future = self._worker.store(
-                    spec.prompt, [list(spec.block_ids)], timeout=self.config.store_timeout_s
-                )
-            except Exception as exc:
-                logger.warning("aiokv: store for %s refused (%s)", spec.req_id, exc)
+            if future.done() and future.exception() is not None:
+                logger.warning("aiokv: store for %s refused (%s)", spec.req_id, future.exception())
                 continue
             self._stores[spec.req_id].append(future)
             self.events["stores_submitted"] += 1
+
+    def _submit(self, kind: str, specs: list[TransferSpec]) -> list[concurrent.futures.Future[Any] | None]:
+        """All of a step's loads or stores in one hop to aiokv's loop (one per request would stall the
+        engine's step a millisecond or more each); None for each if the worker refused them all."""
+        if self._worker is None or not specs:
+            return [None] * len(specs)
+        requests = [(spec.prompt, [list(spec.block_ids)]) for spec in specs]
+        try:
+            if kind == "load":
+                return list(self._worker.load_many(requests, timeout=self.config.load_timeout_s))
+            return list(self._worker.store_many(requests, timeout=self.config.store_timeout_s))
+        except Exception as exc:
+            logger.warning("aiokv: %d %s(s) refused (%s)", len(specs), kind, exc)
+            return [None] * len(specs)
 
     def get_finished(
         self, finished_req_ids: set[str], *, idle: bool = False
