@@ -19,16 +19,28 @@ SHARED = [PROMPT[:1536] + tokens(41 + i, 600) for i in range(4)]
 EXACT = tokens(50, 16 * BLOCK)  # exactly 16 blocks: the last token ends the last block
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def embedded_engine(
+    tmp_path_factory: pytest.TempPathFactory, name: str, steps: list[dict[str, Any]], **extra: Any
+) -> dict[str, Any]:
+    """One in-process engine with AiokvConnector on the embedded store, running ``steps``."""
     require_vllm()
-    root = tmp_path_factory.mktemp("vllm-embedded")
-    extra = {"backend": "memory", "memory_capacity": "64MiB", "load_async": False, "lookup_wait_s": 2.0}
+    root = tmp_path_factory.mktemp(f"vllm-{name}")
+    config = {"backend": "memory", "memory_capacity": "64MiB", "lookup_wait_s": 2.0, **extra}
     return run_engine(
         root,
-        "embedded",
+        name,
         model=write_tiny_llama(root / "tiny-llama"),
-        kv_transfer_config=connector(extra),
+        kv_transfer_config=connector(config),
+        steps=steps,
+    )
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return embedded_engine(
+        tmp_path_factory,
+        "embedded",
+        load_async=False,
         steps=[
             generate("computed", [PROMPT]),
             # vLLM's own prefix cache: what the reloads below must equal.
@@ -79,14 +91,9 @@ def test_synchronous_load_of_an_exact_block_multiple_leaves_one_token(run: dict[
 
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    require_vllm()
-    root = tmp_path_factory.mktemp("vllm-embedded-async")
-    extra = {"backend": "memory", "memory_capacity": "64MiB", "lookup_wait_s": 2.0}
-    return run_engine(
-        root,
+    return embedded_engine(
+        tmp_path_factory,
         "embedded-async",
-        model=write_tiny_llama(root / "tiny-llama"),
-        kv_transfer_config=connector(extra),
         steps=[
             generate("computed", [EXACT]),
             {"op": "flush"},
