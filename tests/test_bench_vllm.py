@@ -23,7 +23,7 @@ from .mooncake_support import in_ci, require_mooncake
 PROMPT_TOKENS = 1024
 OUTPUT_TOKENS = 4
 TINY = [
-    "--prompt-tokens", str(PROMPT_TOKENS), "--repeats", "1", "--output-tokens", str(OUTPUT_TOKENS),
+    "--prompt-tokens", str(PROMPT_TOKENS), "--repeats", "1", "--store-repeats", "2", "--output-tokens", str(OUTPUT_TOKENS),
     "--probe-tokens", "512", "--probe-steps", "4", "--prefixes", "2", "--per-prefix", "4",
     "--prefix-tokens", "1024", "--suffix-tokens", "128", "--layers", "2", "--kv-cache-gib", "1",
 ]  # fmt: skip
@@ -92,6 +92,22 @@ def test_loading_engine_hits_the_store(tiny_run: dict[str, Any]) -> None:
         assert figures[name][f"ttft_s:{PROMPT_TOKENS}"] > 0, name
     assert set(tiny_run["ratios"]) == {"aiokv", "aiokv-vllm-keys"}
     assert tiny_run["goals"], "the goals against vLLM's connector were not judged"
+
+
+@pytest.mark.mooncake
+def test_store_figures_are_medians_over_the_cold_prompts(tiny_run: dict[str, Any]) -> None:
+    (results,) = tiny_run["raw"]
+    for name in bench.CONFIGS:
+        store = results[name]["store"]
+        runs = [*store["long"], *store["cold"]]
+        requests = [run["requests"][0] for run in runs]
+        assert [r["prompt_tokens"] for r in requests] == [PROMPT_TOKENS] * 2, name
+        assert requests[0]["name"] != requests[1]["name"], name  # its own tokens: cold too
+        assert all(r["cached_tokens"] == 0 for r in requests), name
+        ttfts = [r["ttft_s"] for r in requests]
+        figures = tiny_run["per_round"][0][name]
+        assert figures[f"store_ttft_s:{PROMPT_TOKENS}"] == pytest.approx(sum(ttfts) / 2), name
+        assert figures[f"store_cpu_s:{PROMPT_TOKENS}"] == pytest.approx(sum(r["cpu_s"] for r in runs) / 2)
 
 
 @pytest.mark.mooncake

@@ -60,6 +60,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--repeats", type=int, default=3, help="loads of each long prompt (default 3)")
     parser.add_argument(
+        "--store-repeats",
+        type=int,
+        default=3,
+        help="cold prompts of each size in the storing engine, each with its own tokens; store figures "
+        "are their medians (default 3)",
+    )
+    parser.add_argument(
         "--recompute-repeats", type=int, default=1, help="runs of each long prompt without a connector (1)"
     )
     parser.add_argument(

@@ -196,6 +196,7 @@ def run_store_role(driver: EngineDriver, spec: dict[str, Any]) -> dict[str, Any]
     for prompt in spec["long"]:
         logger.info("store: %s cold", prompt["name"])
         result["long"].append(driver.run([prompt]).summary())
+    result["cold"] = [driver.run([prompt]).summary() for prompt in spec["cold"]]
     logger.info("store: step probe")
     result["probe"] = driver.run(spec["probe"]).summary()
     logger.info("store: mixed workload (%d requests)", len(spec["mixed"]))

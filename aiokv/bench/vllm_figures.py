@@ -54,8 +54,12 @@ def config_figures(result: dict[str, Any], geometry: Geometry) -> dict[str, floa
     """One configuration's figures, keyed ``<figure>[:<size>]``."""
     store, load = result["store"], result["load"]
     figures: dict[str, float] = {}
+    cold: dict[int, list[dict[str, Any]]] = {}
+    for run in [*store["long"], *store["cold"]]:
+        cold.setdefault(int(run["requests"][0]["prompt_tokens"]), []).append(run)
     for stored, loaded in zip(store["long"], load["long"], strict=True):
         tokens = int(stored["requests"][0]["prompt_tokens"])
+        stores = cold[tokens]
         hits = loaded["external"]
         ttft_hit = _median([_ttft(run) for run in hits])
         ttft_local = _ttft(loaded["local"])
@@ -63,18 +67,19 @@ def config_figures(result: dict[str, Any], geometry: Geometry) -> dict[str, floa
         figures[f"ttft_s:{tokens}"] = ttft_hit
         figures[f"ttft_local_s:{tokens}"] = ttft_local
         figures[f"hit_tokens:{tokens}"] = float(hit_tokens)
-        figures[f"store_ttft_s:{tokens}"] = _ttft(stored)
+        figures[f"store_ttft_s:{tokens}"] = _median([_ttft(run) for run in stores])
         figures[f"load_cpu_s:{tokens}"] = _median([float(run["cpu_s"]) for run in hits])
-        figures[f"store_cpu_s:{tokens}"] = float(stored["cpu_s"])
+        figures[f"store_cpu_s:{tokens}"] = _median([float(run["cpu_s"]) for run in stores])
         if hit_tokens > 0:
             wait = _median([_hit_wait(run) for run in hits])
             figures[f"hit_wait_s:{tokens}"] = wait
             loaded_bytes = -(-hit_tokens // geometry.block_size) * geometry.block_bytes
             figures[f"load_gbps:{tokens}"] = loaded_bytes / wait / 1e9
         stored_bytes = tokens // geometry.block_size * geometry.block_bytes
-        if float(stored["drain_s"]) > 0 and result.get("connector"):
-            figures[f"store_gbps:{tokens}"] = stored_bytes / float(stored["drain_s"]) / 1e9
-        figures[f"store_drain_s:{tokens}"] = float(stored["drain_s"])
+        drain = _median([float(run["drain_s"]) for run in stores])
+        if drain > 0 and result.get("connector"):
+            figures[f"store_gbps:{tokens}"] = stored_bytes / drain / 1e9
+        figures[f"store_drain_s:{tokens}"] = drain
     steps, in_flight = _probe_inflation_steps(store["probe"])
     figures["probe_step_ms"] = 1000 * statistics.fmean(steps)
     figures["probe_steps_in_flight"] = float(in_flight)

@@ -51,14 +51,28 @@ def build_workload(args: argparse.Namespace) -> dict[str, Any]:
         prompt("probe-decode", ids(64), args.probe_steps),
         prompt("probe-stored", ids(args.probe_tokens), 1),
     ]
+    mixed_store, mixed_load = mixed("mixed-a"), mixed("mixed-b")
+    # More cold prompts of each size, their own tokens: one cold prefill per size is too noisy to compare.
+    store_cold = [
+        prompt(f"long{size}-cold{repeat}", ids(size), 1)
+        for repeat in range(1, args.store_repeats)
+        for size in sizes
+    ]
     return {
-        "store": {"warmup": warmup, "long": store_long, "probe": probe, "mixed": mixed("mixed-a")},
-        "load": {"warmup": warmup, "long": load_long, "mixed": mixed("mixed-b"), "repeats": args.repeats},
+        "store": {
+            "warmup": warmup,
+            "long": store_long,
+            "cold": store_cold,
+            "probe": probe,
+            "mixed": mixed_store,
+        },
+        "load": {"warmup": warmup, "long": load_long, "mixed": mixed_load, "repeats": args.repeats},
         "max_model_len": max([*sizes, args.probe_tokens + 64, args.prefix_tokens + args.suffix_tokens]) + 64,
     }
 
 
 def stored_bytes_estimate(workload: dict[str, Any], block_bytes: int) -> int:
-    prompts = [workload["store"]["warmup"], *workload["store"]["long"], *workload["store"]["probe"]]
+    store = workload["store"]
+    prompts = [store["warmup"], *store["long"], *store["cold"], *store["probe"]]
     prompts += workload["store"]["mixed"] + workload["load"]["mixed"]
     return sum(len(p["ids"]) // BLOCK_SIZE for p in prompts) * block_bytes
