@@ -10,27 +10,30 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Generator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 T = TypeVar("T")
+
+
+class Cancellable(Protocol):
+    """What a future asks to cancel its transfer: the request itself (no hook object of its own, one
+    fewer object for the garbage collector per request in flight)."""
+
+    def cancel(self) -> bool: ...
 
 
 class TransferFuture(Generic[T]):
     """Handle on one store or load; created by the worker, never by users."""
 
-    __slots__ = ("_cancel_hook", "_future", "kind", "request_id")
+    __slots__ = ("_future", "_owner", "kind", "request_id")
 
     def __init__(
-        self,
-        loop: asyncio.AbstractEventLoop,
-        request_id: int,
-        kind: str,
-        cancel_hook: Callable[[], bool],
+        self, loop: asyncio.AbstractEventLoop, request_id: int, kind: str, owner: Cancellable
     ) -> None:
         self.request_id = request_id
         self.kind = kind
         self._future: asyncio.Future[T] = loop.create_future()
-        self._cancel_hook = cancel_hook
+        self._owner: Cancellable | None = owner  # dropped once settled: the request's data can go
 
     def done(self) -> bool:
         """True once finished, failed or cancelled, and the backend no longer touches its memory."""
@@ -52,9 +55,9 @@ class TransferFuture(Generic[T]):
         A request that has not reached the backend is cancelled at once. One inside a backend call is
         cancelled when the call returns: ``done()`` stays False until then.
         """
-        if self._future.done():
+        if self._future.done() or self._owner is None:
             return False
-        return self._cancel_hook()
+        return self._owner.cancel()
 
     def add_done_callback(self, callback: Callable[[TransferFuture[T]], object]) -> None:
         self._future.add_done_callback(lambda _: callback(self))
@@ -76,13 +79,16 @@ class TransferFuture(Generic[T]):
     # -- for the worker -------------------------------------------------------------------------
 
     def _set_result(self, value: T) -> None:
+        self._owner = None
         if not self._future.done():
             self._future.set_result(value)
 
     def _set_exception(self, exc: BaseException) -> None:
+        self._owner = None
         if not self._future.done():
             self._future.set_exception(exc)
 
     def _set_cancelled(self) -> None:
+        self._owner = None
         if not self._future.done():
             self._future.cancel()

@@ -367,7 +367,7 @@ class KVWorker:
             hashes=hashes,
             blocks=tuple(blocks),
         )
-        request.future = TransferFuture(loop, request.id, kind.value, request.cancel)
+        request.future = TransferFuture(loop, request.id, kind.value, request)
         self._tracker.track(request, loop, deadline_s)
         return request
 

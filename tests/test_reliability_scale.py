@@ -24,8 +24,9 @@ import pytest
 
 from aiokv import KVWorker, MemoryBackend
 from aiokv._engine.lanes import EXISTS_PIECE_KEYS
+from aiokv._engine.request import Request
 from aiokv._engine.slices import LoopSlices
-from aiokv.backends.base import MIN_SPLIT_BYTES, Regions, keys_per_call
+from aiokv.backends.base import MAX_KEYS_PER_CALL, MIN_SPLIT_BYTES, Regions, keys_per_call
 from aiokv.bench import cli as bench_cli
 from aiokv.keys import HashedPrompt
 from aiokv.testing import FaultInjectingBackend, FaultRule, GroupCache, same_blocks
@@ -130,7 +131,13 @@ async def test_a_500000_key_prompt_never_holds_the_loop_long_and_a_lookup_meanwh
 # Item 10's remaining causes: objects the garbage collector walks per request, lookups behind a
 # batch's checks, a thread holding the GIL for a whole 62,500-key check.
 
-TRACKED_PER_REQUEST = 6  # the request, its TransferFuture, its asyncio future, the cancel hook, result
+# Queued: the request, its TransferFuture, its asyncio future; settled: the two futures and the result
+# (the request is gone). The slack is the worker's own few objects.
+TRACKED_PER_REQUEST = 3.2
+
+
+def _requests_alive() -> int:
+    return sum(isinstance(o, Request) for o in gc.get_objects())
 
 
 def _tracked() -> int:
@@ -147,12 +154,16 @@ async def test_a_request_in_flight_costs_the_garbage_collector_a_few_objects() -
     prompts = np.random.default_rng(4).integers(0, 128_000, size=(requests, CHUNK_TOKENS), dtype=np.int64)
     blocks = [np.array([i]) for i in range(requests)]
     async with KVWorker(cache.layout, backend, namespace="gc", chunk_tokens=CHUNK_TOKENS) as worker:
+        await worker.store(prompts[0] + 1, [blocks[0]])  # modules imported on first use are not counted
         before = _tracked()
+        requests_before = _requests_alive()
         futures = [worker.store(prompts[i], [blocks[i]]) for i in range(requests)]  # queued: no turn yet
         queued = (_tracked() - before) / requests
         results = [await f for f in futures]
         settled = (_tracked() - before) / requests  # results held by their futures
         assert [r.stored for r in results] == [1] * requests
+        # Settled requests are freed (not kept by their futures, nor by the dispatcher until its next batch).
+        assert _requests_alive() == requests_before
     assert queued <= TRACKED_PER_REQUEST, f"{queued:.1f} tracked objects per queued request"
     assert settled <= TRACKED_PER_REQUEST, f"{settled:.1f} tracked objects per settled request"
 
@@ -235,6 +246,58 @@ def test_keys_per_call_spreads_a_large_move_over_the_threads_in_whole_rounds() -
     assert keys_per_call(65536, 96, keys=40, total_bytes=2 * MIN_SPLIT_BYTES - 1, threads=2) == 682
     assert keys_per_call(65536, 96, keys=40, total_bytes=big, threads=1) == 682
     assert keys_per_call(65536, 96, keys=1, total_bytes=big, threads=2) == 682
+
+
+def test_keys_per_call_caps_the_keys_of_a_call_whatever_its_pairs() -> None:
+    assert keys_per_call(65536, 1) == MAX_KEYS_PER_CALL
+    assert keys_per_call(65536, 1, keys=62_500, total_bytes=1 << 30, threads=2) <= MAX_KEYS_PER_CALL
+    assert keys_per_call(2048, 1) == 2048  # the backend's own bound, when lower, still rules
+
+
+class KeyCountingBackend(MemoryBackend):
+    def __init__(self, capacity_bytes: int) -> None:
+        super().__init__(capacity_bytes)
+        self.put_keys: list[int] = []
+
+    def batch_put(self, keys: Sequence[str], addrs: Regions, sizes: Regions) -> list[int]:
+        self.put_keys.append(len(keys))
+        return super().batch_put(keys, addrs, sizes)
+
+
+@pytest.mark.asyncio
+async def test_a_long_prompt_is_put_in_calls_of_at_most_max_keys_per_call() -> None:
+    chunks = 3 * MAX_KEYS_PER_CALL + 5
+    cache = GroupCache.allocate(num_regions=1, num_blocks=chunks, block_size=CHUNK_TOKENS, block_lens=64)
+    backend = KeyCountingBackend(capacity_bytes=2 * chunks * 64 + (1 << 20))
+    tokens = np.random.default_rng(8).integers(0, 128_000, size=chunks * CHUNK_TOKENS, dtype=np.int64)
+    async with KVWorker(cache.layout, backend, namespace="cap", chunk_tokens=CHUNK_TOKENS) as worker:
+        result = await worker.store(tokens, [np.arange(chunks)])
+        assert result.stored == chunks
+        assert await worker.lookup(tokens) == chunks * CHUNK_TOKENS
+    assert sum(backend.put_keys) == chunks
+    assert max(backend.put_keys) <= MAX_KEYS_PER_CALL
+
+
+def test_an_embedded_put_allocates_no_tracked_object_per_key() -> None:
+    # A tuple per stored key (its heap offset and size) made a 62,500-key put trigger ~90 young
+    # collections, each walking whatever large young containers the loop had just built.
+    keys_count = 4096
+    cache, backend = _cache(keys_count)
+    keys = [f"gc/key{i}" for i in range(keys_count)]
+    for addr, size in cache.layout.region_spans():
+        backend.register_buffer(addr, size)
+    regions = cache.layout.regions_for_chunks(np.arange(keys_count).reshape(-1, 1))[0]
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        before = len(gc.get_objects())
+        assert backend.batch_put(keys, regions.addrs, regions.sizes) == [0] * keys_count
+        grown = len(gc.get_objects()) - before
+    finally:
+        if was_enabled:
+            gc.enable()
+    assert grown < 64, f"{grown} more tracked objects after a put of {keys_count} keys"
+    assert backend.batch_exists(keys) == [True] * keys_count
 
 
 class RendezvousBackend(MemoryBackend):

@@ -82,6 +82,8 @@ class Dispatcher:
             self._batch_tasks.add(task)
             task.add_done_callback(self._batch_tasks.discard)
             task.add_done_callback(lambda _: slots.release())
+            # Held by the batch task alone: settled requests go as soon as it ends, not at the next wake-up.
+            del batch, request
 
     async def _run(self, batch: list[Request]) -> None:
         await self._run_transfers(batch)
