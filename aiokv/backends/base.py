@@ -30,6 +30,10 @@ UNAVAILABLE: Final = int(Code.UNAVAILABLE)  # store unreachable (Mooncake RPC_FA
 
 # A binding converting this many (address, size) pairs holds the GIL ~1.5 ms (Mooncake, measured).
 DEFAULT_REGIONS_PER_CALL: Final = 16384
+# The most keys one call carries, whatever its pairs: a backend's per-key Python work holds the GIL for
+# the whole call, and the garbage collector walks the call's per-key containers (a 62,500-key put on
+# the embedded backend: 6-9 ms per collection of its young lists and sets; 8,192 keys: about 1 ms).
+MAX_KEYS_PER_CALL: Final = 4096
 # The least a call split across transfer threads moves: below it, one more call costs more than the
 # parallel copy saves (a call costs ~0.1-1 ms of bookkeeping; 4 MiB copies in about that).
 MIN_SPLIT_BYTES: Final = 4 << 20
@@ -38,6 +42,7 @@ REQUIRED_METHODS: Final = ("register_buffer", "batch_exists", "batch_put", "batc
 
 __all__ = [
     "DEFAULT_REGIONS_PER_CALL",
+    "MAX_KEYS_PER_CALL",
     "MIN_SPLIT_BYTES",
     "INVALID",
     "NOT_FOUND",
@@ -157,14 +162,15 @@ def keys_per_call(
     max_regions_per_call: int, regions_per_key: int, *, keys: int = 1, total_bytes: int = 0, threads: int = 1
 ) -> int:
     """How many keys of ``regions_per_key`` regions one batch call carries: whole keys, at most
-    ``max_regions_per_call`` regions, and at least one key. The worker splits every call by this rule.
+    ``max_regions_per_call`` regions and :data:`MAX_KEYS_PER_CALL` keys, and at least one key. The
+    worker splits every call by this rule.
 
     A large move (``keys`` keys of ``total_bytes`` in all) is also cut into a whole number of rounds
     over the ``threads`` transfer threads, when each call then still moves at least
     :data:`MIN_SPLIT_BYTES`: the copies of one batch use every thread (backends copy with the GIL
     released) instead of one call copying alone while the other threads idle.
     """
-    per_call = max(1, max_regions_per_call // max(1, regions_per_key))
+    per_call = max(1, min(MAX_KEYS_PER_CALL, max_regions_per_call // max(1, regions_per_key)))
     if threads > 1 and keys > 1:
         calls = -(-keys // per_call)
         balanced = -(-calls // threads) * threads

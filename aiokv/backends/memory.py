@@ -60,9 +60,11 @@ class MemoryBackend(ClosingContext):
     def __init__(self, capacity_bytes: int = DEFAULT_CAPACITY_BYTES) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
+        if capacity_bytes >= _SIZE_SPAN:
+            raise ValueError(f"capacity_bytes must be below 2**48, got {capacity_bytes!r}")
         self.capacity_bytes = capacity_bytes
         self._lock = threading.Lock()
-        self._values: dict[str, _Value] = {}
+        self._values: dict[str, int] = {}  # key -> _packed(heap offset, size)
         self._writing: set[str] = set()
         self._used = 0  # bytes stored or reserved by puts in progress
         self._heap = _Heap(capacity_bytes)
@@ -142,7 +144,7 @@ class MemoryBackend(ClosingContext):
                 self._used -= sum(key_sizes_list)
             raise
         with self._lock:
-            placed = zip(key_offsets_list, key_sizes_list, strict=True)
+            placed = map(_packed, key_offsets_list, key_sizes_list)
             self._values.update(zip([keys[k] for k in written], placed, strict=True))
             self._writing -= claimed
         return codes
@@ -172,28 +174,31 @@ class MemoryBackend(ClosingContext):
         valid = self._memory.valid_keys(table).tolist()
         totals = table.key_totals().tolist()
         codes: list[int] = []
-        found: list[_Value] = []
+        found: list[int] = []  # heap offsets
         rows: list[int] = []
         with self._lock:
             values = self._values
             for k, key in enumerate(keys):
-                value = values.get(key)
+                packed = values.get(key)
                 if not valid[k]:
                     codes.append(INVALID)
-                elif value is None:
+                    continue
+                if packed is None:
                     codes.append(NOT_FOUND)
-                elif totals[k] != value[1]:
-                    codes.append(INVALID if totals[k] < value[1] else TRANSFER_FAILED)
+                    continue
+                offset, size = divmod(packed, _SIZE_SPAN)
+                if totals[k] != size:
+                    codes.append(INVALID if totals[k] < size else TRANSFER_FAILED)
                 else:
-                    codes.append(value[1])
-                    found.append(value)
+                    codes.append(size)
+                    found.append(offset)
                     rows.append(k)
             if not rows:
                 return codes
             self._readers += 1  # the values' heap space is not reused until the copy is done
         try:
             sub = select_keys(table, np.asarray(rows, dtype=np.int64))
-            value_offsets = np.asarray([offset for offset, _ in found], dtype=np.int64)
+            value_offsets = np.asarray(found, dtype=np.int64)
             base, space = self._mapped()
             _scatter(
                 self._heap.buffer,
@@ -240,15 +245,16 @@ class MemoryBackend(ClosingContext):
         codes = []
         with self._lock:
             for key in keys:
-                value = self._values.pop(key, None)
-                if value is None:
+                packed = self._values.pop(key, None)
+                if packed is None:
                     codes.append(NOT_FOUND)
                     continue
-                self._used -= value[1]
+                offset, size = divmod(packed, _SIZE_SPAN)
+                self._used -= size
                 if self._readers:
-                    self._deferred_frees.append(value)
+                    self._deferred_frees.append((offset, size))
                 else:
-                    self._heap.free(*value)
+                    self._heap.free(offset, size)
                 codes.append(OK)
         return codes
 
@@ -294,7 +300,13 @@ class MemoryBackend(ClosingContext):
             raise BackendError("MemoryBackend is closed")
 
 
-_Value = tuple[int, int]  # (heap offset, size): a plain tuple, as puts create one per key
+# A value's heap offset and size packed in one int: a put of 62,500 keys then allocates no tuple per
+# key, each of which would count towards (and trigger) the garbage collector's young collections.
+_SIZE_SPAN = 1 << 48
+
+
+def _packed(offset: int, size: int) -> int:
+    return offset * _SIZE_SPAN + size
 
 
 _ALIGN = 4096  # heap blocks start on page boundaries: copies then move large aligned units
