@@ -16,14 +16,15 @@ from typing import Any
 import pytest
 
 from aiokv.bench import vllm as bench
-from aiokv.bench.vllm_figures import check_outputs, output_mismatches, reference_boundaries
+from aiokv.bench.vllm_figures import check_outputs, output_mismatches, reference_boundaries, step_inflation
 
 from .mooncake_support import in_ci, require_mooncake
 
 PROMPT_TOKENS = 1024
 OUTPUT_TOKENS = 4
 TINY = [
-    "--prompt-tokens", str(PROMPT_TOKENS), "--repeats", "1", "--store-repeats", "2", "--output-tokens", str(OUTPUT_TOKENS),
+    "--prompt-tokens", str(PROMPT_TOKENS), "--repeats", "1", "--store-repeats", "2",
+    "--output-tokens", str(OUTPUT_TOKENS),
     "--probe-tokens", "512", "--probe-steps", "4", "--prefixes", "2", "--per-prefix", "4",
     "--prefix-tokens", "1024", "--suffix-tokens", "128", "--layers", "2", "--kv-cache-gib", "1",
 ]  # fmt: skip
@@ -131,3 +132,27 @@ def test_a_single_wrong_token_is_caught(tiny_run: dict[str, Any]) -> None:
 def test_cli_refuses_configs_without_the_baseline(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         bench.main(["--configs", "vllm", "--json", str(tmp_path / "x.json")])
+
+
+def _probe(step_ms: list[float], in_flight: int) -> dict[str, Any]:
+    """A probe run: the long prompt's prefill is step 0, then the short request's decode steps, the
+    first ``in_flight`` of them with a store pending."""
+    steps = [0.5, *(ms / 1000 for ms in step_ms)]
+    pending = [1 if i < in_flight else 0 for i in range(len(steps))]
+    requests = [{"finished_step": len(steps) - 1}, {"first_token_step": 0}]
+    return {"store": {"probe": {"requests": requests, "step_seconds": steps, "pending_stores": pending}}}
+
+
+def test_step_inflation_judges_every_configuration_on_the_same_steps() -> None:
+    results = {
+        "recompute": _probe([10, 10, 10, 10, 10, 10], 0),
+        "quick": _probe([30, 20, 10, 10, 10, 10], 2),  # its store overlapped 2 steps
+        "slow": _probe([16, 16, 16, 16, 10, 10], 4),
+    }
+    inflation = step_inflation(results)
+    # Over the slowest store's 4 steps for everyone: quick (30+20+10+10)/40, slow 64/40.
+    assert inflation == pytest.approx({"recompute": 1.0, "quick": 1.75, "slow": 1.6})
+    assert step_inflation({name: _probe([10, 10], 0) for name in ("recompute", "x")}) == {
+        "recompute": 1.0,
+        "x": 1.0,
+    }

@@ -95,16 +95,18 @@ def config_figures(result: dict[str, Any], geometry: Geometry) -> dict[str, floa
 
 
 def step_inflation(results: dict[str, dict[str, Any]], baseline: str = "recompute") -> dict[str, float]:
-    """Mean decode-step time while a configuration's stores were in flight, over the same steps of the
-    run without a connector (1.0: no slowdown). Configurations whose stores finished within the
-    prefill step get 1.0 (no step overlapped them)."""
+    """Mean decode-step time while the stores were in flight, over the same steps of the run without
+    a connector (1.0: no slowdown). Every configuration is judged on the same steps: as many as the
+    slowest configuration's store overlapped (a store that ends sooner is not judged on its heaviest
+    first steps alone). 1.0 for all when no store overlapped a step."""
     if baseline not in results:
         return {}
     base_steps, _ = _probe_inflation_steps(results[baseline]["store"]["probe"])
+    probes = {name: _probe_inflation_steps(result["store"]["probe"]) for name, result in results.items()}
+    window = max(in_flight for _, in_flight in probes.values())
     inflation: dict[str, float] = {}
-    for name, result in results.items():
-        steps, in_flight = _probe_inflation_steps(result["store"]["probe"])
-        count = min(in_flight, len(steps), len(base_steps))
+    for name, (steps, _) in probes.items():
+        count = min(window, len(steps), len(base_steps))
         if count == 0:
             inflation[name] = 1.0
             continue
