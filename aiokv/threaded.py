@@ -140,6 +140,46 @@ class ThreadedKVWorker:
     def lookup(self, tokens: TokenIds | HashedPrompt, *, timeout: float | None = None) -> int:
         return self._run(self._worker.lookup(tokens), timeout)
 
+    def lookup_many(self, prompts: Iterable[TokenIds | HashedPrompt]) -> list[concurrent.futures.Future[int]]:
+        """:meth:`lookup` without blocking, several with one hop to the worker's loop: one future per
+        prompt, in order, answering its hit in tokens or raising what :meth:`KVWorker.lookup` raised
+        (a refused prompt's future fails with that error). Cancelling a future cancels its lookup. A
+        closed worker raises ``WorkerClosedError`` here; one that closes first fails the futures with it."""
+        wanted = list(prompts)
+
+        def start_all() -> list[concurrent.futures.Future[int]]:
+            return [self._answered(self._loop.create_task(self._worker.lookup(tokens))) for tokens in wanted]
+
+        return self._call(start_all)
+
+    def _answered(self, task: asyncio.Task[int]) -> concurrent.futures.Future[int]:
+        """A thread-safe future settled from ``task`` (on the loop thread); the loop stopping first fails
+        it (see :meth:`_stop_loop`), and cancelling it cancels the task."""
+        future: concurrent.futures.Future[int] = concurrent.futures.Future()
+        with self._lock:
+            self._waiting.add(future)
+
+        def settle(done: asyncio.Task[int]) -> None:
+            with self._lock:
+                self._waiting.discard(future)
+            if future.done() or not future.set_running_or_notify_cancel():
+                return  # cancelled by its caller
+            if done.cancelled():
+                future.set_exception(WorkerClosedError("the lookup was cancelled by the worker's close"))
+            elif (exc := done.exception()) is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(done.result())
+
+        def cancelled(_: concurrent.futures.Future[int]) -> None:
+            if future.cancelled():
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nothing left to cancel
+                    self._loop.call_soon_threadsafe(task.cancel)
+
+        task.add_done_callback(settle)
+        future.add_done_callback(cancelled)
+        return future
+
     def stats(self) -> dict[str, Any]:
         return self._call(self._worker.stats)
 

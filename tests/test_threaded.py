@@ -287,3 +287,38 @@ def test_store_many_and_load_many_move_every_request_and_fail_only_the_refused_o
     assert set(backend.keys_seen("put")) == keys_of(prompts[0], cache) | keys_of(prompts[2], cache)
     with pytest.raises(WorkerClosedError):
         worker.store_many([(prompts[0], src[0])])
+
+
+def test_lookup_many_answers_without_blocking_and_fails_only_the_refused_prompt(
+    cache: PagedCache, backend: FaultInjectingBackend, loop_factory: Callable[[], Any]
+) -> None:
+    from aiokv import InvalidRequestError
+
+    chunks = 2
+    stored, absent = prompt(90, chunks), prompt(91, chunks)
+    with make(cache, backend, loop_factory) as worker:
+        assert worker.store(stored, consecutive(chunks)).result(SAFETY_TIMEOUT_S).stored == chunks
+        with backend.blocked("exists"):
+            # Submitted while the store's existence checks hang: the call itself does not wait.
+            futures = worker.lookup_many([stored, absent, "not tokens"])  # type: ignore[list-item]
+            assert len(futures) == 3 and not any(f.done() for f in futures[:2])
+        assert futures[0].result(SAFETY_TIMEOUT_S) == chunks * C
+        assert futures[1].result(SAFETY_TIMEOUT_S) == 0
+        with pytest.raises((InvalidRequestError, TypeError)):
+            futures[2].result(SAFETY_TIMEOUT_S)
+        # Cancelling a lookup that hangs cancels it on the loop; the worker keeps serving.
+        with backend.blocked("exists"):
+            (hung,) = worker.lookup_many([absent])
+            assert backend.entered("exists").wait(SAFETY_TIMEOUT_S)
+            assert hung.cancel()
+        assert worker.lookup_many([stored])[0].result(SAFETY_TIMEOUT_S) == chunks * C
+        with backend.blocked("exists"):
+            (stranded,) = worker.lookup_many([absent])
+            assert backend.entered("exists").wait(SAFETY_TIMEOUT_S)
+            closer = threading.Thread(target=worker.terminate)
+            closer.start()
+        closer.join(SAFETY_TIMEOUT_S)
+        with pytest.raises(WorkerClosedError):
+            stranded.result(SAFETY_TIMEOUT_S)
+    with pytest.raises(WorkerClosedError):
+        worker.lookup_many([stored])

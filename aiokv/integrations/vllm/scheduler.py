@@ -71,8 +71,6 @@ class SchedulerSide:
                 executor_threads=1,
             )
         at_exit(self.shutdown)
-        # Lookups block a thread each; a few threads let one step's lookups batch in the worker.
-        self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="aiokv-lookup")
         self._requests: dict[str, Any] = {}
         self._lookups: dict[str, _Lookup] = {}
         self._hits: dict[str, _Hit] = {}
@@ -114,21 +112,24 @@ class SchedulerSide:
             # (vLLM then recomputes only its last token to sample from; see _hit_tokens).
             blocks = min(len(request.block_hashes), request.num_tokens // self.block_size)
             prompt = hashed_prompt(request.block_hashes, blocks, self.config, self.block_size)
-            if not prompt.hashes:
+            if not prompt.hashes or self._client is None:
                 return _Hit(prompt, 0)
-            if self._client is None:
+            try:
+                (future,) = self._client.lookup_many([prompt])
+            except Exception as exc:
+                logger.warning("aiokv: lookup for %s refused (%s); treated as a miss", req_id, exc)
                 return _Hit(prompt, 0)
-            future = self._pool.submit(self._client.lookup, prompt, timeout=self.config.lookup_timeout_s)
             lookup = self._lookups[req_id] = _Lookup(
                 future, prompt, time.monotonic() + self.config.lookup_timeout_s
             )
             # A short wait answers most lookups at the first ask; the rest are asked again next step.
             concurrent.futures.wait([future], timeout=self.config.lookup_wait_s)
         if not lookup.future.done():
-            if time.monotonic() < lookup.deadline + 1.0:
+            if time.monotonic() < lookup.deadline:
                 return None
             logger.warning("aiokv: lookup for %s did not answer in time; treated as a miss", req_id)
             del self._lookups[req_id]
+            lookup.future.cancel()
             return _Hit(lookup.prompt, 0)
         del self._lookups[req_id]
         try:
@@ -276,7 +277,8 @@ class SchedulerSide:
         return loading or stored
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        for lookup in self._lookups.values():
+            lookup.future.cancel()
         if self._client is not None:
             client, self._client = self._client, None
             safe_call("closing the lookup client", lambda: client.close(timeout=5.0))
