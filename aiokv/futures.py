@@ -55,9 +55,8 @@ class TransferFuture(Generic[T]):
         A request that has not reached the backend is cancelled at once. One inside a backend call is
         cancelled when the call returns: ``done()`` stays False until then.
         """
-        if self._future.done() or self._owner is None:
-            return False
-        return self._owner.cancel()
+        owner = self._owner  # None once settled
+        return owner is not None and owner.cancel()
 
     def add_done_callback(self, callback: Callable[[TransferFuture[T]], object]) -> None:
         self._future.add_done_callback(lambda _: callback(self))

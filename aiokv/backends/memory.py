@@ -186,7 +186,7 @@ class MemoryBackend(ClosingContext):
                 if packed is None:
                     codes.append(NOT_FOUND)
                     continue
-                offset, size = divmod(packed, _SIZE_SPAN)
+                offset, size = _unpacked(packed)
                 if totals[k] != size:
                     codes.append(INVALID if totals[k] < size else TRANSFER_FAILED)
                 else:
@@ -249,7 +249,7 @@ class MemoryBackend(ClosingContext):
                 if packed is None:
                     codes.append(NOT_FOUND)
                     continue
-                offset, size = divmod(packed, _SIZE_SPAN)
+                offset, size = _unpacked(packed)
                 self._used -= size
                 if self._readers:
                     self._deferred_frees.append((offset, size))
@@ -307,6 +307,12 @@ _SIZE_SPAN = 1 << 48
 
 def _packed(offset: int, size: int) -> int:
     return offset * _SIZE_SPAN + size
+
+
+def _unpacked(packed: int) -> tuple[int, int]:
+    """(heap offset, size) of a packed value."""
+    offset, size = divmod(packed, _SIZE_SPAN)
+    return offset, size
 
 
 _ALIGN = 4096  # heap blocks start on page boundaries: copies then move large aligned units

@@ -54,12 +54,12 @@ def config_figures(result: dict[str, Any], geometry: Geometry) -> dict[str, floa
     """One configuration's figures, keyed ``<figure>[:<size>]``."""
     store, load = result["store"], result["load"]
     figures: dict[str, float] = {}
-    cold: dict[int, list[dict[str, Any]]] = {}
+    cold_runs: dict[int, list[dict[str, Any]]] = {}  # by prompt size: the long prompt and its repeats
     for run in [*store["long"], *store["cold"]]:
-        cold.setdefault(int(run["requests"][0]["prompt_tokens"]), []).append(run)
+        cold_runs.setdefault(int(run["requests"][0]["prompt_tokens"]), []).append(run)
     for stored, loaded in zip(store["long"], load["long"], strict=True):
         tokens = int(stored["requests"][0]["prompt_tokens"])
-        stores = cold[tokens]
+        stores = cold_runs[tokens]
         hits = loaded["external"]
         ttft_hit = _median([_ttft(run) for run in hits])
         ttft_local = _ttft(loaded["local"])
