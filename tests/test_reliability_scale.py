@@ -21,9 +21,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from aiokv import KVWorker, MemoryBackend
 from aiokv._engine.lanes import EXISTS_PIECE_KEYS
+from aiokv._engine.regions import REQUESTS_PER_CALL, call_pieces
 from aiokv._engine.request import Request
 from aiokv._engine.slices import LoopSlices
 from aiokv.backends.base import MAX_KEYS_PER_CALL, MIN_SPLIT_BYTES, Regions, keys_per_call
@@ -229,6 +232,71 @@ async def test_lookups_in_flight_are_counted_for_the_loop_and_forgotten_on_termi
     assert slices.lookups == 0
 
 
+@pytest.mark.asyncio
+async def test_a_batch_goes_on_while_a_lookup_hangs() -> None:
+    # While a lookup is in flight, batches wait for it after each short slice (a thread waiting for the
+    # GIL behind a busy loop got it 10-140 ms late), but only for a bounded time each (a lookup may hang).
+    requests = 300
+    cache, memory = _cache(requests + 1)
+    rng = np.random.default_rng(9)
+    small = HashedPrompt.from_tokens(rng.integers(0, 128_000, size=CHUNK_TOKENS), CHUNK_TOKENS)
+    release = threading.Event()
+    backend = FaultInjectingBackend(memory)
+    prompts = rng.integers(0, 128_000, size=(requests, CHUNK_TOKENS), dtype=np.int64)
+    async with KVWorker(cache.layout, backend, namespace="wait", chunk_tokens=CHUNK_TOKENS) as worker:
+        assert (await worker.store(small, [np.array([requests])])).stored == 1
+        digest = small.hashes[0]
+        backend.add_rule(FaultRule(op="exists", keys=lambda k: k.endswith(digest), hang=release, times=1))
+        lookup = asyncio.create_task(worker.lookup(small))
+        await wait_until(lambda: backend.hanging >= 1)
+        try:
+            assert LoopSlices.of_running_loop().lookups == 1
+            stores = [worker.store(prompts[i], [np.array([i])]) for i in range(requests)]
+            results = await asyncio.wait_for(asyncio.gather(*stores), SAFETY_S)
+            assert [r.stored for r in results] == [1] * requests
+            assert not lookup.done()
+        finally:
+            release.set()
+        assert await asyncio.wait_for(lookup, SAFETY_S) == CHUNK_TOKENS
+
+
+@pytest.mark.asyncio
+async def test_many_small_stores_go_in_calls_of_at_most_requests_per_call_requests() -> None:
+    # A call's go-ahead and its return visit every request it carries on the loop, in one piece: 4,096
+    # one-chunk requests in one call held the loop ~10 ms.
+    requests = 3 * REQUESTS_PER_CALL + 7
+    cache = GroupCache.allocate(num_regions=1, num_blocks=requests, block_size=CHUNK_TOKENS, block_lens=64)
+    backend = KeyCountingBackend(capacity_bytes=2 * requests * 64 + (1 << 20))
+    prompts = np.random.default_rng(10).integers(0, 128_000, size=(requests, CHUNK_TOKENS), dtype=np.int64)
+    async with KVWorker(cache.layout, backend, namespace="cap", chunk_tokens=CHUNK_TOKENS) as worker:
+        stores = [worker.store(prompts[i], [np.array([i])]) for i in range(requests)]
+        assert [r.stored for r in await asyncio.gather(*stores)] == [1] * requests
+    assert sum(backend.put_keys) == requests
+    assert max(backend.put_keys) <= REQUESTS_PER_CALL  # one key per request here
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    runs=st.lists(st.integers(1, 9), min_size=1, max_size=40),
+    per_call=st.integers(1, 20),
+    max_requests=st.integers(1, 6),
+)
+def test_call_pieces_are_consecutive_and_as_long_as_both_limits_allow(
+    runs: list[int], per_call: int, max_requests: int
+) -> None:
+    plan_of_row = np.repeat(np.arange(len(runs)), runs)
+    parts = call_pieces(plan_of_row, per_call, max_requests)
+    assert [p.start for p in parts] == [0] + [p.stop for p in parts[:-1]]
+    assert parts[-1].stop == plan_of_row.size
+    for k, part in enumerate(parts):
+        rows = plan_of_row[part]
+        assert 0 < rows.size <= per_call
+        assert np.unique(rows).size <= max_requests
+        if k < len(parts) - 1:  # cut only where one more row would break a limit
+            longer = plan_of_row[part.start : part.stop + 1]
+            assert longer.size > per_call or np.unique(longer).size > max_requests
+
+
 # -- item 12: one batch's copies on every transfer thread --------------------------------------------
 
 
@@ -276,6 +344,7 @@ async def test_a_long_prompt_is_put_in_calls_of_at_most_max_keys_per_call() -> N
         assert await worker.lookup(tokens) == chunks * CHUNK_TOKENS
     assert sum(backend.put_keys) == chunks
     assert max(backend.put_keys) <= MAX_KEYS_PER_CALL
+    assert max(backend.put_keys) > REQUESTS_PER_CALL  # one request's keys are not cut by the request cap
 
 
 def test_an_embedded_put_allocates_no_tracked_object_per_key() -> None:

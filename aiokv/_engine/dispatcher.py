@@ -110,7 +110,7 @@ class Dispatcher:
         if self._lookups_ended:  # a late decrement after the loop's final one
             return
         self._lookups_counted += change
-        self._slices.lookups += change
+        self._slices.count_lookups(change)
 
 
 def _drain(queue: asyncio.Queue[Request | None], first: Request | None) -> tuple[list[Request], bool]:

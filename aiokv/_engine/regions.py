@@ -1,7 +1,9 @@
 """Step 5 of a batch: region planning. One group's rows (chunks to move, of many requests) become
 backend calls of at most ``max_regions_per_call`` regions each (:func:`~aiokv.backends.base.keys_per_call`),
 so that no call holds the GIL for long while the binding converts its arguments, and a large move is
-spread over every transfer thread."""
+spread over every transfer thread. A call also carries the rows of at most
+:data:`REQUESTS_PER_CALL` requests: its go-ahead and its return visit each of them on the loop, in
+one piece (:mod:`.admission`)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,10 @@ from ..stats import Op
 from .batch_keys import pick_rows
 from .plan import Rows
 from .slices import LoopSlice, pieces
+
+# ~2 us per request on the loop as a call starts, and again as it returns: ~1 ms at most, where 4,096
+# one-chunk requests in one call held the loop ~10 ms.
+REQUESTS_PER_CALL = 512
 
 
 @dataclass(slots=True)
@@ -91,11 +97,31 @@ def _calls(
         max_regions_per_call, addrs.shape[1], keys=rows.size, total_bytes=int(sizes.sum()), threads=threads
     )
     calls = []
-    for start in range(0, rows.size, per_call):
-        part = slice(start, start + per_call)
+    for part in call_pieces(group_rows.plan_of_row[rows], per_call):
         rows_part = rows[part]
         calls.append(Call(op, rows_part, pick_rows(group_rows.keys, rows_part), addrs[part], sizes[part]))
     return calls
+
+
+def call_pieces(plan_of_row: IntArray, per_call: int, max_requests: int = REQUESTS_PER_CALL) -> list[slice]:
+    """Consecutive pieces of the rows (``plan_of_row``: each row's plan entry, so its request), as
+    long as allowed: at most ``per_call`` rows, and rows of at most ``max_requests`` runs of one
+    entry's rows (so of at most that many requests)."""
+    count = plan_of_row.size
+    run_starts = np.flatnonzero(np.diff(plan_of_row, prepend=-1) != 0)
+    if count <= per_call and run_starts.size <= max_requests:
+        return [slice(0, count)]
+    parts = []
+    start = 0
+    while start < count:
+        # The run holding `start` is the first of the piece; the piece ends before the run
+        # `max_requests` runs later, if there is one.
+        run = int(np.searchsorted(run_starts, start, side="right")) - 1
+        next_run = run + max_requests
+        end = min(start + per_call, int(run_starts[next_run]) if next_run < run_starts.size else count)
+        parts.append(slice(start, end))
+        start = end
+    return parts
 
 
 def split_calls(

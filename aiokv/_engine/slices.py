@@ -8,13 +8,16 @@ waits much longer than :data:`SLICE_S` for a batch. The clocks of one loop share
 resumed (:class:`LoopSlices`), so a step crossing several sliced stages still yields within one slice.
 
 A lookup needs about five turns of the loop (dequeued, its check's answer, its future, the shield
-around it, its caller) and the GIL for its check on a thread. With two batches slicing, each turn of
-the loop costs a few slices, and the thread waits for the GIL the loop thread holds: a lookup took
-~60 ms during a 10,000-request batch on an idle machine. So while a lookup of the same loop is in
-flight (counted in :class:`LoopSlices`), slices shrink to :data:`URGENT_SLICE_S` and end with a
-pause of :data:`URGENT_PAUSE_S` instead of a bare yield: the loop's turns stay short and, when
-nothing else is ready, the loop thread sleeps in its selector, leaving the GIL to the lookup's
-thread. Batches keep going meanwhile, at a fraction of their pace.
+around it, its caller) and the GIL for its check on a thread, twice (to run the check, then to hand
+its answer to the loop). A thread waiting for the GIL asks the holder to drop it only after 5 ms
+(CPython's switch interval) *with no release meanwhile*; a busy loop releases it at every turn (its
+selector), which wakes the thread, but comes back for it before the thread is scheduled: the thread
+waits again, indefinitely (a convoy). Lookups took 10-140 ms during a 10,000-request batch on an
+idle machine, even with the loop pausing 0.2 ms per slice. So while a lookup of the same loop is in
+flight (counted in :class:`LoopSlices`), slices shrink to :data:`URGENT_SLICE_S` and then *wait
+until no lookup is in flight* (at most :data:`URGENT_WAIT_S`, as a lookup may hang on the store):
+the loop sleeps in its selector, and the lookup's thread gets the GIL as soon as it is scheduled.
+Batches keep going meanwhile, at a fraction of their pace.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from collections.abc import Iterator
 SLICE_S = 0.0005  # work on the loop between yields
 PIECE_KEYS = 4096  # keys per piece of a per-key step (~0.5 ms of key building or dict operations)
 URGENT_SLICE_S = 0.0003  # work on the loop between yields while a lookup is in flight
-URGENT_PAUSE_S = 0.0002  # the loop idle (the GIL free) after such a slice, if nothing else is ready
+URGENT_WAIT_S = 0.002  # the longest a batch gives way after such a slice (a lookup may hang)
 
 
 class LoopSlices:
@@ -37,11 +40,31 @@ class LoopSlices:
     when a slice of the loop last resumed (shared: a step that goes from one sliced stage of a batch
     to the next, each with its own clock, still yields within one slice)."""
 
-    __slots__ = ("__weakref__", "lookups", "resumed")
+    __slots__ = ("__weakref__", "_answered", "_answered_timer", "lookups", "resumed")
 
     def __init__(self) -> None:
         self.lookups = 0
         self.resumed = time.perf_counter()
+        # What slices waiting for the lookups share: resolved when none is in flight, or by the timer.
+        self._answered: asyncio.Future[None] | None = None
+        self._answered_timer: asyncio.TimerHandle | None = None
+
+    def count_lookups(self, change: int) -> None:
+        self.lookups += change
+        if not self.lookups and self._answered is not None:
+            _resolve(self._answered)
+            if self._answered_timer is not None:
+                self._answered_timer.cancel()
+            self._answered = self._answered_timer = None
+
+    async def lookups_answered(self, timeout: float) -> None:
+        """Until no lookup is in flight, or ``timeout`` has passed (the loop idle meanwhile, unless
+        something else is ready)."""
+        if self._answered is None or self._answered.done():
+            loop = asyncio.get_running_loop()
+            self._answered = loop.create_future()
+            self._answered_timer = loop.call_later(timeout, _resolve, self._answered)
+        await asyncio.shield(self._answered)  # a cancelled waiter leaves it to the others
 
     @classmethod
     def of_running_loop(cls) -> LoopSlices:
@@ -64,8 +87,8 @@ def answering_lookups() -> None:
 
 class LoopSlice:
     """A clock over one step: :meth:`tick` yields to the loop once ``budget_s`` has passed since a
-    slice of the loop last resumed (:data:`URGENT_SLICE_S`, then a short pause, while a lookup is in
-    flight). Cheap enough to call per request (one ``perf_counter``)."""
+    slice of the loop last resumed (:data:`URGENT_SLICE_S`, then a wait for the lookups, while one is
+    in flight). Cheap enough to call per request (one ``perf_counter``)."""
 
     __slots__ = ("_budget", "_loop")
 
@@ -80,11 +103,16 @@ class LoopSlice:
         elapsed = time.perf_counter() - loop.resumed
         if loop.lookups:
             if elapsed >= min(self._budget, URGENT_SLICE_S):
-                await asyncio.sleep(URGENT_PAUSE_S)
+                await loop.lookups_answered(URGENT_WAIT_S)
                 loop.resumed = time.perf_counter()
         elif elapsed >= self._budget:
             await asyncio.sleep(0)
             loop.resumed = time.perf_counter()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def pieces(count: int, size: int = PIECE_KEYS) -> Iterator[slice]:
