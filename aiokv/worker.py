@@ -138,6 +138,7 @@ class KVWorker:
             ),
             transfer_threads=self._threads,
             pressure_backoff_s=backoff_s,
+            exists_in_process=traits.exists_in_process,
         )
         self._ids = itertools.count(1)
         self._state = WorkerState.NEW

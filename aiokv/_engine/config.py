@@ -19,6 +19,7 @@ class EngineConfig:
     max_regions_per_call: int  # effective: the worker's argument, else the backend's, else the default
     transfer_threads: int  # the worker's executor_threads: large moves are split across them
     pressure_backoff_s: float  # how long stores pause after the store answered "full"
+    exists_in_process: bool  # the backend's trait: lookups are answered on the loop
 
     @property
     def groups(self) -> int:

@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ..errors import WorkerClosedError
+from .slices import PIECE_KEYS, LoopSlice, pieces
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -89,6 +90,22 @@ class Lanes:
         answer: list[V] = []
         for start in range(0, len(items), size):
             answer += await self.run(lane, fn, items[start : start + size])
+        return answer
+
+    async def run_pieces_on_loop(
+        self, fn: Callable[[Sequence[K]], Sequence[V]], items: Sequence[K], size: int = PIECE_KEYS
+    ) -> list[V]:
+        """``fn(items)`` on the loop itself, for a backend method that answers at once (the embedded
+        backend's ``batch_exists``): no thread hand-off, in calls of at most ``size`` items with a
+        tick of the loop's slice clock between them. After :meth:`terminate`, raises
+        ``WorkerClosedError`` instead."""
+        answer: list[V] = []
+        clock = LoopSlice()
+        for part in pieces(len(items), size):
+            if self._terminated:
+                raise WorkerClosedError("the worker was terminated before the call ran")
+            answer += fn(items[part])
+            await clock.tick()
         return answer
 
     async def run_gated(self, lane: Lane, gate: Callable[[], Admitted[T] | None]) -> T | None:

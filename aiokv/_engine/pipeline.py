@@ -38,7 +38,7 @@ from .lanes import EXISTS_PIECE_KEYS, Lane, Lanes
 from .plan import Plan, decide
 from .request import Request
 from .rewrite import Rewrites
-from .slices import LoopSlice, pieces
+from .slices import PIECE_KEYS, LoopSlice, pieces
 from .tracker import RequestTracker
 from .transfer import GroupTransfer, all_settled
 from .unreadable import UnreadableKeys
@@ -148,11 +148,15 @@ class BatchPipeline:
         keys = cycle.keys
         if not keys:
             return np.zeros(0, dtype=bool)
-        self._stats.backend_calls[Op.EXISTS] += len(range(0, len(keys), EXISTS_PIECE_KEYS))
+        on_loop = lane is Lane.LOOKUP and self._config.exists_in_process
+        size = PIECE_KEYS if on_loop else EXISTS_PIECE_KEYS
+        self._stats.backend_calls[Op.EXISTS] += len(range(0, len(keys), size))
         try:
-            answer = await self._lanes.run_pieces(
-                lane, self._config.backend.batch_exists, keys, EXISTS_PIECE_KEYS
-            )
+            check = self._config.backend.batch_exists
+            if on_loop:
+                answer = await self._lanes.run_pieces_on_loop(check, keys, size)
+            else:
+                answer = await self._lanes.run_pieces(lane, check, keys, EXISTS_PIECE_KEYS)
             if len(answer) != len(keys):
                 raise BackendError(f"batch_exists answered {len(answer)} values for {len(keys)} keys")
             return np.asarray(answer, dtype=bool)
@@ -170,10 +174,10 @@ class BatchPipeline:
         clock = LoopSlice()
         for request in batch:
             await clock.tick()
-            if request.finished:
-                continue
-            for wait in request.waits:
-                await wait.cycle.outcomes_ready
-                outcome = await wait.cycle.outcome_of(wait.keys)
-                request.codes[wait.group][wait.chunks] = np.where(outcome >= 0, Code.PRESENT, outcome)
-            self._tracker.settle(request)
+            if not request.finished:
+                for wait in request.waits:
+                    await wait.cycle.outcomes_ready
+                    outcome = await wait.cycle.outcome_of(wait.keys)
+                    request.codes[wait.group][wait.chunks] = np.where(outcome >= 0, Code.PRESENT, outcome)
+                self._tracker.settle(request)
+            request.drop_data()  # freed here, a slice at a time, not all at once as the batch ends

@@ -72,6 +72,12 @@ class Request:
     error: BaseException | None = None
     deadline_handle: asyncio.TimerHandle | None = None
 
+    def drop_data(self) -> None:
+        """Settled, with no call of it left: let go of its per-chunk data."""
+        self.tokens = self.hashes = None
+        self.blocks = self.keys = self.positions = self.codes = ()
+        self.waits = ()
+
     def cancel(self) -> bool:
         """What its future's ``cancel()`` asks: the tracker decides (the one writer of the lifecycle)."""
         return self.tracker.cancel(self)

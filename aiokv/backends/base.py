@@ -77,6 +77,10 @@ class Backend(Protocol):
       the binding converts while it holds the GIL). Default: :data:`DEFAULT_REGIONS_PER_CALL`.
     - ``supports_device_memory: bool``: whether the backend can move device (non-host) memory. Default:
       False, and the worker then refuses a layout whose ``device`` is not ``"cpu"``.
+    - ``exists_in_process: bool``: ``batch_exists`` answers from this process's memory at once (no
+      I/O, no wait for another call): the worker then answers lookups on the event loop instead of
+      handing each to a thread (a thread needing the GIL behind a busy loop waits for it, often
+      for milliseconds). Default: False.
 
     - ``batch_remove(keys: Sequence[str], *, force: bool = False) -> list[int]``: drop keys; per key 0,
       ``NOT_FOUND`` (-704) if absent, or a negative code. ``force`` ignores read leases. The worker
@@ -125,6 +129,7 @@ class BackendTraits:
 
     max_regions_per_call: int
     supports_device_memory: bool
+    exists_in_process: bool
     can_unregister: bool
     can_remove: bool
 
@@ -141,11 +146,10 @@ def check_backend(backend: object) -> None:
         method = getattr(backend, optional, None)
         if method is not None and not callable(method):
             raise TypeError(f"backend {type(backend).__name__}: {optional} must be a method")
-    device = getattr(backend, "supports_device_memory", False)
-    if not isinstance(device, bool):
-        raise TypeError(
-            f"backend {type(backend).__name__}: supports_device_memory must be a bool, not {device!r}"
-        )
+    for flag in ("supports_device_memory", "exists_in_process"):
+        value = getattr(backend, flag, False)
+        if not isinstance(value, bool):
+            raise TypeError(f"backend {type(backend).__name__}: {flag} must be a bool, not {value!r}")
 
 
 def backend_traits(backend: Backend) -> BackendTraits:
@@ -153,6 +157,7 @@ def backend_traits(backend: Backend) -> BackendTraits:
     return BackendTraits(
         max_regions_per_call=getattr(backend, "max_regions_per_call", DEFAULT_REGIONS_PER_CALL),
         supports_device_memory=getattr(backend, "supports_device_memory", False),
+        exists_in_process=getattr(backend, "exists_in_process", False),
         can_unregister=callable(getattr(backend, "unregister_buffer", None)),
         can_remove=callable(getattr(backend, "batch_remove", None)),
     )

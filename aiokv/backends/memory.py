@@ -56,6 +56,7 @@ class MemoryBackend(ClosingContext):
     # Copies release the GIL; what holds it is per-key bookkeeping (~1 us a key), so calls of up to
     # 65536 regions (~680 keys at 96 regions) keep each hold well under a millisecond.
     max_regions_per_call = 65536
+    exists_in_process = True  # a dict lookup per key, no lock: lookups need no thread
 
     def __init__(self, capacity_bytes: int = DEFAULT_CAPACITY_BYTES) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:

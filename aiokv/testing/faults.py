@@ -37,6 +37,9 @@ class FaultInjectingBackend:
     Thread-safe: the worker calls it from several executor threads at once.
     """
 
+    # Whatever the inner backend says: a rule may delay or hang any call, so every call goes to a thread.
+    exists_in_process = False
+
     def __init__(self, inner: Backend, *, rules: Iterable[FaultRule] = (), seed: int | None = 0) -> None:
         check_backend(inner)
         self.inner = inner
