@@ -15,7 +15,7 @@ from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
 from .backends.base import Backend
-from .errors import InvalidRequestError, WorkerClosedError
+from .errors import WorkerClosedError
 from .futures import TransferFuture
 from .keys import HashedPrompt, KeyNamespace, TokenIds
 from .layout import KVLayout
@@ -31,23 +31,41 @@ class SyncTransferFuture(concurrent.futures.Future[T], Generic[T]):
 
     ``cancel()`` of a request inside a backend call returns True but the future completes (cancelled)
     only when that call returns, so ``done()`` never turns True while the memory is in use.
+
+    ``request_id`` is the request's id once the loop has taken it (None until then: the futures of
+    ``store_many`` / ``load_many`` are handed out before).
     """
 
-    def __init__(self, owner: ThreadedKVWorker, transfer: TransferFuture[T]) -> None:
+    def __init__(self, owner: ThreadedKVWorker) -> None:
         super().__init__()
         self._owner = owner
-        self._transfer = transfer
-        self.request_id = transfer.request_id
+        self._transfer: TransferFuture[T] | None = None
+        self._cancel_when_attached = False
+        self.request_id: int | None = None
 
     def cancel(self) -> bool:
         if self.done():
             return False
         return self._owner._call(self._cancel_on_loop)
 
+    def _attach(self, transfer: TransferFuture[T]) -> None:
+        """On the loop thread: the transfer this future follows."""
+        self._transfer = transfer
+        self.request_id = transfer.request_id
+        transfer.add_done_callback(self._settle)
+        if transfer.done():  # settled at the call (nothing to move)
+            self._settle(transfer)
+        elif self._cancel_when_attached:
+            self._cancel_on_loop()
+
     def _cancel_on_loop(self) -> bool:
-        cancelled = self._transfer.cancel()
-        if self._transfer.done():  # settled at once: done() is True when cancel() returns
-            self._settle(self._transfer)
+        transfer = self._transfer
+        if transfer is None:  # cancelled on the loop thread before the loop took its request
+            self._cancel_when_attached = True
+            return True
+        cancelled = transfer.cancel()
+        if transfer.done():  # settled at once: done() is True when cancel() returns
+            self._settle(transfer)
         return cancelled
 
     def _settle(self, transfer: TransferFuture[T]) -> None:
@@ -121,43 +139,50 @@ class ThreadedKVWorker:
 
     def store_many(
         self, requests: Iterable[tuple[TokenIds | HashedPrompt, BlockIds]], *, timeout: float | None = None
-    ) -> list[concurrent.futures.Future[StoreResult]]:
-        """:meth:`store` for several requests with one hop to the worker's loop: each :meth:`store`
-        waits for the loop thread to take its request (about a millisecond, more while other Python
-        threads hold the GIL), so an engine submitting every request of a step at once calls this.
+    ) -> list[SyncTransferFuture[StoreResult]]:
+        """:meth:`store` for several requests, without waiting for the worker's loop: :meth:`store`
+        waits for the loop thread to take its request (to raise on bad arguments at the call), about a
+        millisecond, more while other Python threads hold the GIL; an engine submitting every request
+        of a step from its own thread calls this.
 
-        One future per request, in order. A request whose arguments are refused gets a future already
-        failed with that error (``InvalidRequestError``/``TypeError``); the others are submitted. A
-        closed worker raises ``WorkerClosedError`` here, as :meth:`store` does."""
+        One future per request, in order, handed out at once; the loop takes the requests soon after,
+        in this order. A request whose arguments are refused gets its future failed with that error
+        (``InvalidRequestError``/``TypeError``); the others are submitted. A worker closing or closed
+        raises ``WorkerClosedError`` here, as :meth:`store` does."""
         return self._submit_many(self._worker.store, list(requests), timeout)
 
     def load_many(
         self, requests: Iterable[tuple[TokenIds | HashedPrompt, BlockIds]], *, timeout: float | None = None
-    ) -> list[concurrent.futures.Future[LoadResult]]:
-        """:meth:`load` for several requests with one hop to the worker's loop; as :meth:`store_many`."""
+    ) -> list[SyncTransferFuture[LoadResult]]:
+        """:meth:`load` for several requests, without waiting for the worker's loop; as
+        :meth:`store_many`."""
         return self._submit_many(self._worker.load, list(requests), timeout)
 
     def lookup(self, tokens: TokenIds | HashedPrompt, *, timeout: float | None = None) -> int:
         return self._run(self._worker.lookup(tokens), timeout)
 
     def lookup_many(self, prompts: Iterable[TokenIds | HashedPrompt]) -> list[concurrent.futures.Future[int]]:
-        """:meth:`lookup` without blocking, several with one hop to the worker's loop: one future per
-        prompt, in order, answering its hit in tokens or raising what :meth:`KVWorker.lookup` raised
-        (a refused prompt's future fails with that error). Cancelling a future cancels its lookup. A
-        closed worker raises ``WorkerClosedError`` here; one that closes first fails the futures with it."""
+        """:meth:`lookup` without blocking, not even for the worker's loop to take the prompts: one
+        future per prompt, in order, answering its hit in tokens or raising what
+        :meth:`KVWorker.lookup` raised (a refused prompt's future fails with that error). Cancelling a
+        future cancels its lookup. A worker closing or closed raises ``WorkerClosedError`` here; one
+        that closes first fails the futures with it."""
         wanted = list(prompts)
+        futures: list[concurrent.futures.Future[int]] = [concurrent.futures.Future() for _ in wanted]
 
-        def start_all() -> list[concurrent.futures.Future[int]]:
-            return [self._answered(self._loop.create_task(self._worker.lookup(tokens))) for tokens in wanted]
+        def start_all() -> None:
+            for future, tokens in zip(futures, wanted, strict=True):
+                if future.cancelled():  # by its caller, before the loop took it
+                    with self._lock:
+                        self._waiting.discard(future)
+                    continue
+                self._answer(future, self._loop.create_task(self._worker.lookup(tokens)))
 
-        return self._call(start_all)
+        self._post(start_all, futures)  # in the waiting set until settled: a stopping loop fails them
+        return futures
 
-    def _answered(self, task: asyncio.Task[int]) -> concurrent.futures.Future[int]:
-        """A thread-safe future settled from ``task`` (on the loop thread); the loop stopping first fails
-        it (see :meth:`_stop_loop`), and cancelling it cancels the task."""
-        future: concurrent.futures.Future[int] = concurrent.futures.Future()
-        with self._lock:
-            self._waiting.add(future)
+    def _answer(self, future: concurrent.futures.Future[int], task: asyncio.Task[int]) -> None:
+        """Settle ``future`` from ``task`` (on the loop thread); cancelling the future cancels the task."""
 
         def settle(done: asyncio.Task[int]) -> None:
             with self._lock:
@@ -178,7 +203,6 @@ class ThreadedKVWorker:
 
         task.add_done_callback(settle)
         future.add_done_callback(cancelled)
-        return future
 
     def stats(self) -> dict[str, Any]:
         return self._call(self._worker.stats)
@@ -222,34 +246,42 @@ class ThreadedKVWorker:
         block_ids: BlockIds,
         timeout: float | None,
     ) -> SyncTransferFuture[T]:
-        return self._call(lambda: self._submitted(method(tokens, block_ids, timeout=timeout)))
+        future: SyncTransferFuture[T] = SyncTransferFuture(self)
+        self._call(lambda: future._attach(method(tokens, block_ids, timeout=timeout)))
+        return future
 
     def _submit_many(
         self,
         method: Callable[..., TransferFuture[T]],
         requests: list[tuple[TokenIds | HashedPrompt, BlockIds]],
         timeout: float | None,
-    ) -> list[concurrent.futures.Future[T]]:
-        def submit_all() -> list[concurrent.futures.Future[T]]:
-            futures: list[concurrent.futures.Future[T]] = []
-            for tokens, block_ids in requests:
+    ) -> list[SyncTransferFuture[T]]:
+        futures: list[SyncTransferFuture[T]] = [SyncTransferFuture(self) for _ in requests]
+
+        def submit_all() -> None:
+            with self._lock:  # from here on each settles from its transfer, or now
+                self._waiting.difference_update(futures)
+            for future, (tokens, block_ids) in zip(futures, requests, strict=True):
                 try:
-                    futures.append(self._submitted(method(tokens, block_ids, timeout=timeout)))
-                except (InvalidRequestError, TypeError) as exc:
-                    refused: concurrent.futures.Future[T] = concurrent.futures.Future()
-                    refused.set_exception(exc)
-                    futures.append(refused)
-            return futures
+                    future._attach(method(tokens, block_ids, timeout=timeout))
+                except Exception as exc:  # refused arguments (or the worker closing meanwhile): this one
+                    future.set_exception(exc)
 
-        return self._call(submit_all)
+        self._post(submit_all, futures)
+        return futures
 
-    def _submitted(self, transfer: TransferFuture[T]) -> SyncTransferFuture[T]:
-        """The thread-safe future of ``transfer`` (on the loop thread)."""
-        future = SyncTransferFuture(self, transfer)
-        transfer.add_done_callback(future._settle)
-        if transfer.done():  # settled at the call (nothing to move): done when store() returns
-            future._settle(transfer)
-        return future
+    def _post(self, fn: Callable[[], None], futures: Sequence[concurrent.futures.Future[Any]]) -> None:
+        """Schedule ``fn`` on the loop thread without waiting for it; ``futures`` are failed by
+        :meth:`_stop_loop` if the loop stops first. Raises ``WorkerClosedError`` once closing."""
+        on_loop_thread = threading.current_thread() is self._thread
+        with self._lock:
+            if self._closing:
+                raise WorkerClosedError("the threaded worker is closed")
+            if not on_loop_thread:
+                self._waiting.update(futures)
+                self._loop.call_soon_threadsafe(fn)
+        if on_loop_thread:  # a done callback submitting more: the loop is this thread
+            fn()
 
     def _call(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the loop thread and return its result (or raise its exception) here; raises

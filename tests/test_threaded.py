@@ -289,6 +289,73 @@ def test_store_many_and_load_many_move_every_request_and_fail_only_the_refused_o
         worker.store_many([(prompts[0], src[0])])
 
 
+def _hold_loop(worker: ThreadedKVWorker) -> threading.Event:
+    """Keep the worker's loop thread busy in a callback until the returned event is set."""
+    held, release = threading.Event(), threading.Event()  # the loop is private: tests only
+
+    def hold() -> None:
+        held.set()
+        release.wait(SAFETY_TIMEOUT_S)
+
+    worker._loop.call_soon_threadsafe(hold)
+    assert held.wait(SAFETY_TIMEOUT_S)
+    return release
+
+
+def test_store_many_load_many_and_lookup_many_never_wait_for_the_loop_thread(
+    cache: PagedCache, backend: FaultInjectingBackend, loop_factory: Callable[[], Any]
+) -> None:
+    """An engine's thread hands a step's requests over and goes on: with the loop thread busy, the calls
+    return at once, the requests go ahead once it is free, in order."""
+    chunks = 2
+    prompts = [prompt(110 + i, chunks) for i in range(2)]
+    src = [consecutive(chunks, start=i * 8) for i in range(2)]
+    with make(cache, backend, loop_factory) as worker:
+        release = _hold_loop(worker)
+        try:
+            stored = worker.store_many([(prompts[i], src[i]) for i in range(2)])
+            looked = worker.lookup_many(prompts)
+            assert not any(f.done() for f in stored + looked)
+            assert [f.request_id for f in stored] == [None, None]  # not taken by the loop yet
+        finally:
+            release.set()
+        assert [f.result(SAFETY_TIMEOUT_S).stored for f in stored] == [chunks, chunks]
+        assert stored[0].request_id is not None and stored[0].request_id < stored[1].request_id  # type: ignore[operator]
+        # Each lookup was taken after the stores were, yet may answer before they finish: 0 or all.
+        assert all(f.result(SAFETY_TIMEOUT_S) in (0, chunks * C) for f in looked)
+        release = _hold_loop(worker)
+        try:
+            loaded = worker.load_many([(prompts[0], consecutive(chunks, start=24))])
+            assert not loaded[0].done()
+        finally:
+            release.set()
+        assert loaded[0].result(SAFETY_TIMEOUT_S).loaded_tokens == chunks * C
+
+
+def test_a_store_many_future_cancelled_on_the_loop_thread_before_its_request_is_taken_is_cancelled(
+    cache: PagedCache, backend: FaultInjectingBackend, loop_factory: Callable[[], Any]
+) -> None:
+    chunks = 2
+    tokens = prompt(120, chunks)
+    with make(cache, backend, loop_factory) as worker:
+        handed: list[SyncTransferFuture[StoreResult]] = []
+        answers: list[bool] = []
+        go = threading.Event()
+
+        def cancel_first() -> None:  # on the loop thread, ahead of the request in the loop's queue
+            go.wait(SAFETY_TIMEOUT_S)
+            answers.append(handed[0].cancel())
+
+        worker._loop.call_soon_threadsafe(cancel_first)
+        handed += worker.store_many([(tokens, consecutive(chunks))])
+        go.set()
+        with pytest.raises(concurrent.futures.CancelledError):
+            handed[0].result(SAFETY_TIMEOUT_S)
+        assert answers == [True]
+        assert worker.lookup(tokens) == 0
+    assert backend.keys_seen("put") == []
+
+
 def test_lookup_many_answers_without_blocking_and_fails_only_the_refused_prompt(
     cache: PagedCache, backend: FaultInjectingBackend, loop_factory: Callable[[], Any]
 ) -> None:

@@ -14,6 +14,7 @@ Memory rules (aiokv's futures are done only once the store no longer touches the
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import time
 from collections import Counter, defaultdict
@@ -32,6 +33,13 @@ logger = logging.getLogger("aiokv.vllm")
 
 _WAIT_LOG_S = 5.0  # a wait for in-flight transfers this long is logged (and then every as long)
 _STATS_INTERVAL_S = 1.0
+
+
+def _warn_if_failed(req_id: str, future: concurrent.futures.Future[Any]) -> None:
+    """A store's future is done: a failure here is a refusal or an error, not a failed chunk (those
+    are in the result)."""
+    if not future.cancelled() and (exc := future.exception()) is not None:
+        logger.warning("aiokv: store for %s failed (%s)", req_id, exc)
 
 
 def _wait_all(futures: list[concurrent.futures.Future[Any]], what: str) -> None:
@@ -142,15 +150,14 @@ class WorkerSide:
         for spec, future in zip(meta.stores, self._submit("store", meta.stores), strict=True):
             if future is None:
                 continue
-            if future.done() and future.exception() is not None:
-                logger.warning("aiokv: store for %s refused (%s)", spec.req_id, future.exception())
-                continue
+            future.add_done_callback(functools.partial(_warn_if_failed, spec.req_id))
             self._stores[spec.req_id].append(future)
             self.events["stores_submitted"] += 1
 
     def _submit(self, kind: str, specs: list[TransferSpec]) -> list[concurrent.futures.Future[Any] | None]:
-        """All of a step's loads or stores in one hop to aiokv's loop (one per request would stall the
-        engine's step a millisecond or more each); None for each if the worker refused them all."""
+        """All of a step's loads or stores in one call, handed to aiokv's loop without waiting for it
+        (waiting, once per request, stalled the engine's step a millisecond or more each); None for
+        each if the worker refused them all."""
         if self._worker is None or not specs:
             return [None] * len(specs)
         requests = [(spec.prompt, [list(spec.block_ids)]) for spec in specs]
