@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from aiokv import StoreResult, SyncTransferFuture, ThreadedKVWorker, WorkerClosedError
+from aiokv.bench import cli as bench_cli
 from aiokv.testing import FaultInjectingBackend, PagedCache, same_blocks
 
 from .helpers import (
@@ -389,3 +392,20 @@ def test_lookup_many_answers_without_blocking_and_fails_only_the_refused_prompt(
             stranded.result(SAFETY_TIMEOUT_S)
     with pytest.raises(WorkerClosedError):
         worker.lookup_many([stored])
+
+
+def test_bench_handoff_reports_both_paths_and_their_ratios(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    json_path = tmp_path / "handoff.json"
+    argv = ["handoff", "--steps", "6", "--per-step", "2", "--chunks", "2", "--engine-ms", "0.2"]
+    assert bench_cli.main([*argv, "--json", str(json_path)]) == 0
+    assert "store_many / store" in capsys.readouterr().out
+    report = json.loads(json_path.read_text())
+    figures = report["figures"]
+    assert set(figures) == {"store", "store_many"}
+    for path in figures.values():
+        assert 0 < path["p50_ms"] <= path["p90_ms"] <= path["p99_ms"] <= path["max_ms"]
+    for key, ratio in report["store_many_vs_store"].items():
+        assert ratio == pytest.approx(figures["store_many"][key] / figures["store"][key])
+    assert bench_cli.main(["handoff", "--steps", "0"]) == 2

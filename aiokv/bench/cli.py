@@ -53,6 +53,7 @@ SUITES = {
     "vllm": ("aiokv.bench.vllm", "AiokvConnector vs vLLM's MooncakeStoreConnector on real engines"),
     "cluster": ("aiokv.bench.cluster", "cross-node GB/s (worker vs direct) and recovery times in namespaces"),
     "scale": ("aiokv.bench.scale", "loop stalls finishing 10,000 requests and a 62,500-key prompt"),
+    "handoff": ("aiokv.bench.handoff", "an engine thread's cost to submit a step: store() vs store_many()"),
 }
 
 
