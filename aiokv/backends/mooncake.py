@@ -103,7 +103,8 @@ class MooncakeBackend(MooncakeExtras, ClosingContext):
     max_regions_per_call = 8192
     # Puts failing -800 (a replica placed on a dead client's segment) are tried again this many times:
     # the master places about half of them there again (measured), so each retry halves what fails.
-    put_retries = 8
+    # 8 left ~1 key in 500 failed: a 30-key re-store after a node loss failed one in CI (~6% of runs).
+    put_retries = 16
 
     def __init__(
         self, config: MooncakeConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None
