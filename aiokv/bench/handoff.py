@@ -11,8 +11,6 @@ is the time each step's submission took on that thread (p50, p90, p99, max).
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,7 @@ import numpy as np
 from ..backends.memory import MemoryBackend
 from ..testing.paged_cache import GroupCache
 from ..threaded import ThreadedKVWorker
-from .report import table
+from .report import finish_suite, table
 
 CHUNK_TOKENS = 16
 REGIONS = 8
@@ -116,19 +114,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    try:
-        report = run_handoff_benchmark(
+
+    def report() -> dict[str, Any]:
+        return run_handoff_benchmark(
             steps=args.steps,
             per_step=args.per_step,
             chunks=args.chunks,
             engine_ms=args.engine_ms,
             seed=args.seed,
         )
-    except ValueError as exc:
-        sys.stderr.write(f"aiokv bench handoff: {exc}\n")
-        return 2
-    print_handoff_report(report, sys.stdout)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    return 0
+
+    return finish_suite("handoff", report, print_handoff_report, args.json)

@@ -3,6 +3,9 @@ and the optional plot."""
 
 from __future__ import annotations
 
+import json
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -257,3 +260,23 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
 
 
 # -- main -----------------------------------------------------------------------------------------
+
+
+def finish_suite(
+    suite: str,
+    make_report: Callable[[], dict[str, Any]],
+    print_report: Callable[[dict[str, Any], TextIO], None],
+    json_path: Path | None,
+) -> int:
+    """A suite's ``main`` after its arguments are parsed: run it (a ``ValueError`` is a bad argument:
+    exit status 2), print its report, write it as JSON if asked."""
+    try:
+        report = make_report()
+    except ValueError as exc:
+        sys.stderr.write(f"aiokv bench {suite}: {exc}\n")
+        return 2
+    print_report(report, sys.stdout)
+    if json_path is not None:
+        json_path.parent.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+    return 0

@@ -33,9 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -52,7 +50,7 @@ from ..keys import HashedPrompt, KeyNamespace
 from ..testing.paged_cache import GroupCache
 from ..worker import KVWorker
 from .loop_lag import tick
-from .report import table
+from .report import finish_suite, table
 from .scale_gc import CollectorFigures, collector_figures
 
 # Issue 10 as filed (the code before the fix, the same machine): max loop lag and lookup latency, ms.
@@ -364,19 +362,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
-    try:
-        report = run_scale_benchmark(
+
+    def report() -> dict[str, Any]:
+        return run_scale_benchmark(
             requests=args.requests,
             prompt_tokens=args.prompt_tokens,
             chunk_tokens=args.chunk_tokens,
             rounds=args.rounds,
             seed=args.seed,
         )
-    except ValueError as exc:
-        sys.stderr.write(f"aiokv bench scale: {exc}\n")
-        return 2
-    print_scale_report(report, sys.stdout)
-    if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-    return 0
+
+    return finish_suite("scale", report, print_scale_report, args.json)
