@@ -173,6 +173,10 @@ class EngineDriver:
 def build_llm(spec: dict[str, Any]) -> Any:
     from vllm import LLM
 
+    from ..integrations.vllm.amx import allow_amx_tiles
+
+    allow_amx_tiles()  # the configurations without AiokvConnector too (see that module)
+
     kwargs: dict[str, Any] = {}
     if spec.get("kv_transfer_config"):
         from vllm.config import KVTransferConfig

@@ -47,7 +47,13 @@ PROMPT = tokens(51, 2100)
 PROMPT_C = tokens(53, 1500)  # the negative control's
 HIT = (2100 - 1) // MLA_BLOCK * MLA_BLOCK  # 131 full blocks: 2,096 tokens (vLLM's own reuse too)
 HIT_C = (1500 - 1) // MLA_BLOCK * MLA_BLOCK
-ENGINE = {"num_gpu_blocks_override": 320, "max_model_len": 2304, "dtype": "float32"}
+# CPU_MLA explicitly: on CPUs with AMX vLLM would pick AMX_MLA, which takes bf16 weights only.
+ENGINE = {
+    "num_gpu_blocks_override": 320,
+    "max_model_len": 2304,
+    "dtype": "float32",
+    "attention_backend": "CPU_MLA",
+}
 PARALLEL_TIMEOUT_S = 600
 # vLLM's CPU MLA engines with TP 1 and TP 2 compute visibly different numbers (even in float32 their
 # own greedy tokens for PROMPT part after four), so a latent computed with TP 2 and used with TP 1

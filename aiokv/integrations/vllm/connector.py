@@ -18,7 +18,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.platforms import current_platform
 
+from .amx import allow_amx_tiles
 from .config import ConnectorConfig
 from .geometry import KVGeometry, kv_geometry
 from .keys import key_namespace
@@ -51,6 +53,8 @@ class AiokvConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         log_through_vllm()
+        if current_platform.device_type == "cpu":
+            allow_amx_tiles()  # vLLM's CPU attention would otherwise die with SIGILL on AMX hosts
         if kv_cache_config is None:
             raise ValueError("AiokvConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
         transfer = vllm_config.kv_transfer_config

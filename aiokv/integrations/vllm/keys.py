@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...keys import HashedPrompt, KeyNamespace
+from .amx import amx_tiles_supported
 from .config import ConnectorConfig
 from .geometry import KVGeometry
 
@@ -37,13 +38,17 @@ def model_name(vllm_config: Any, config: ConnectorConfig) -> str:
 
 
 def device_tag() -> str:
-    """The kernel family that wrote the bytes: CPU attention kernels differ per ISA (amx, vec)."""
+    """The kernel family that wrote the bytes: CPU attention kernels differ per ISA (amx, vec).
+
+    torch's capability names the vector ISA only (AVX512 with or without AMX), so AMX is named apart:
+    vLLM picks its ``amx`` kernels, which lay blocks out differently, wherever the CPU offers AMX."""
     import torch
     from vllm.platforms import current_platform
 
     device = str(current_platform.device_type)
     if device == "cpu":
-        return f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}"
+        amx = "-amx" if amx_tiles_supported() else ""
+        return f"cpu-{torch.backends.cpu.get_cpu_capability().lower()}{amx}"
     return device
 
 
