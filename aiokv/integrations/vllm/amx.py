@@ -3,9 +3,9 @@
 Linux lets a process execute AMX tile instructions only after it asks (``arch_prctl``
 ``ARCH_REQ_XCOMP_PERM``); torch asks lazily, before kernels of its own that use AMX (oneDNN, inductor).
 vLLM 0.32's CPU attention (its ``amx`` kernels, picked for bf16 on CPUs with AMX) never asks, so in a
-process where nothing else asked first, the first attention step dies with SIGILL: measured here on
-an engine whose first step after start was a whole-prompt hit, and on any engine run with
-``TORCHDYNAMO_DISABLE=1``. Asking is per process, idempotent and harmless where there is no AMX.
+process where nothing else asked first, the first attention step dies with SIGILL: seen here on every
+engine run with ``TORCHDYNAMO_DISABLE=1`` and on the benchmark's loading engine with AiokvConnector.
+Asking is per process, idempotent and harmless where there is no AMX.
 """
 
 from __future__ import annotations
