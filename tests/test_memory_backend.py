@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -435,3 +436,53 @@ def test_space_freed_during_a_get_is_not_reused_until_the_get_is_done() -> None:
     assert backend.batch_get(["new"], [[d]], [[1000]]) == [1000]
     assert np.array_equal(local.dst[:1000], local.src[1000:2000])
     backend.close()
+
+
+def test_two_first_puts_at_once_keep_every_value() -> None:
+    """The heap is allocated on first use; two first calls racing used to each allocate one, and the
+    values copied into the heap that was then replaced were lost while answered as stored (seen in
+    CI as a load of wrong bytes). Threads switch as often as CPython allows, so the race shows."""
+    keys_per_thread, block = 64, 64
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for trial in range(200):
+            memory = np.random.default_rng(trial).integers(
+                0, 256, size=4 * keys_per_thread * block, dtype=np.uint8
+            )
+            source, target = memory[: 2 * keys_per_thread * block], memory[2 * keys_per_thread * block :]
+            target[:] = 0
+            backend = MemoryBackend(capacity_bytes=1 << 20)
+            backend.register_buffer(memory.ctypes.data, memory.nbytes)
+            start = threading.Barrier(2)
+            answers: list[list[int]] = []
+
+            def put(
+                part: int,
+                backend: MemoryBackend = backend,
+                source: np.ndarray = source,
+                start: threading.Barrier = start,
+                answers: list[list[int]] = answers,
+            ) -> None:
+                first = part * keys_per_thread
+                keys = [f"k{first + i}" for i in range(keys_per_thread)]
+                addrs = [[source.ctypes.data + (first + i) * block] for i in range(keys_per_thread)]
+                start.wait()
+                answers.append(backend.batch_put(keys, addrs, [[block]] * keys_per_thread))
+
+            threads = [threading.Thread(target=put, args=(part,)) for part in (0, 1)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            assert answers == [[OK] * keys_per_thread] * 2
+            count = 2 * keys_per_thread
+            codes = backend.batch_get(
+                [f"k{i}" for i in range(count)],
+                [[target.ctypes.data + i * block] for i in range(count)],
+                [[block]] * count,
+            )
+            assert codes == [block] * count
+            assert np.array_equal(target, source), f"trial {trial}: a value was lost"
+    finally:
+        sys.setswitchinterval(previous)

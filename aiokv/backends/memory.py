@@ -103,6 +103,9 @@ class MemoryBackend(ClosingContext):
         codes = [OK if ok else INVALID for ok in valid.tolist()]
         to_write: list[int] = []
         with self._lock:
+            # Under the lock: two first calls at once would otherwise each allocate a heap, and the
+            # values copied into the one that is replaced would be lost (yet answered as stored).
+            heap = self._heap.buffer
             claimed: set[str] = set()
             values, writing = self._values, self._writing
             for k, key in enumerate(keys):
@@ -130,7 +133,6 @@ class MemoryBackend(ClosingContext):
             base, space = self._mapped()
             key_offsets = np.asarray(key_offsets_list, dtype=np.int64)
             key_sizes = totals_array[rows]
-            heap = self._heap.buffer
             if bool((key_offsets[1:] == key_offsets[:-1] + key_sizes[:-1]).all()):
                 start = key_offsets_list[0]  # the usual case: one heap block for the whole batch
                 _gather(space, sub.addrs - base, sub.sizes, heap[start : start + sum(key_sizes_list)])
@@ -196,13 +198,14 @@ class MemoryBackend(ClosingContext):
                     rows.append(k)
             if not rows:
                 return codes
+            heap = self._heap.buffer  # the heap the values are in, whatever a close() does meanwhile
             self._readers += 1  # the values' heap space is not reused until the copy is done
         try:
             sub = select_keys(table, np.asarray(rows, dtype=np.int64))
             value_offsets = np.asarray(found, dtype=np.int64)
             base, space = self._mapped()
             _scatter(
-                self._heap.buffer,
+                heap,
                 np.repeat(value_offsets, np.diff(sub.offsets)) + offsets_within_keys(sub),
                 sub.sizes,
                 space,
