@@ -40,11 +40,11 @@ def main(job_path: str, out_path: str) -> None:
     # vLLM compiles its logprob ranking with torch.compile: ~8 s per process on a CPU, for nothing here.
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
     from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
 
     from aiokv.integrations.vllm.amx import allow_amx_tiles
 
     allow_amx_tiles()  # engines without the connector too (see the module)
-    from vllm.inputs import TokensPrompt
 
     options: dict[str, Any] = {
         "skip_tokenizer_init": True,

@@ -36,12 +36,10 @@ print(json.dumps({"before": before, "supported": supported, "allowed": allowed,
 """
 
 
-@pytest.fixture(autouse=True)
-def _vllm() -> None:
+@pytest.fixture(scope="module")
+def probed() -> dict[str, object]:
+    """One fresh interpreter's answers (importing vLLM takes seconds): both tests read them."""
     require_vllm()
-
-
-def probe() -> dict[str, object]:
     done = subprocess.run(
         [sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, timeout=300, check=True
     )
@@ -49,8 +47,8 @@ def probe() -> dict[str, object]:
     return result
 
 
-def test_allow_amx_tiles_grants_the_permission_where_the_cpu_has_amx() -> None:
-    result = probe()
+def test_allow_amx_tiles_grants_the_permission_where_the_cpu_has_amx(probed: dict[str, object]) -> None:
+    result = probed
     if result["supported"]:
         assert result["allowed"] is True
         if platform.system() == "Linux" and platform.machine() == "x86_64":
@@ -60,8 +58,8 @@ def test_allow_amx_tiles_grants_the_permission_where_the_cpu_has_amx() -> None:
         assert result["after"] in (False, None), result
 
 
-def test_the_cpu_key_tag_names_amx_apart() -> None:
-    result = probe()
+def test_the_cpu_key_tag_names_amx_apart(probed: dict[str, object]) -> None:
+    result = probed
     tag = str(result["tag"])
     assert tag.startswith("cpu-"), tag
     assert tag.endswith("-amx") == bool(result["supported"]), result
