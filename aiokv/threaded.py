@@ -207,6 +207,21 @@ class ThreadedKVWorker:
     def stats(self) -> dict[str, Any]:
         return self._call(self._worker.stats)
 
+    def stats_soon(self) -> concurrent.futures.Future[dict[str, Any]]:
+        """:meth:`stats` without waiting for the worker's loop: a future the loop thread answers when it
+        next runs, so a thread that asks every step (an engine's) never waits behind the loop's work.
+        A worker closing or closed raises ``WorkerClosedError`` here; one that closes first fails the
+        future with it."""
+        future: concurrent.futures.Future[dict[str, Any]] = concurrent.futures.Future()
+
+        def take() -> None:
+            with self._lock:
+                self._waiting.discard(future)
+            _fill(future, self._worker.stats)
+
+        self._post(take, [future])  # in the waiting set until answered: a stopping loop fails it
+        return future
+
     def close(self, timeout: float | None = None) -> None:
         """Graceful close (see :meth:`KVWorker.close`), then stop the loop thread.
 
@@ -292,14 +307,7 @@ class ThreadedKVWorker:
         def schedule() -> concurrent.futures.Future[T]:
             future: concurrent.futures.Future[T] = concurrent.futures.Future()
 
-            def call() -> None:
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn())
-                    except BaseException as exc:
-                        future.set_exception(exc)
-
-            self._loop.call_soon_threadsafe(call)
+            self._loop.call_soon_threadsafe(_fill, future, fn)
             return future
 
         return self._wait(schedule)
@@ -363,3 +371,12 @@ class ThreadedKVWorker:
                 future.set_exception(WorkerClosedError("the threaded worker closed before the call finished"))
         self._loop.close()
         self._stopped.set()
+
+
+def _fill(future: concurrent.futures.Future[T], fn: Callable[[], T]) -> None:
+    """Give ``future`` what ``fn`` returns or raises, unless its caller cancelled it first."""
+    if future.set_running_or_notify_cancel():
+        try:
+            future.set_result(fn())
+        except BaseException as exc:
+            future.set_exception(exc)

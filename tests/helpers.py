@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from aiokv import KeyNamespace, KVLayout, MemoryBackend, chunk_hashes
+from aiokv import KeyNamespace, KVLayout, MemoryBackend, ThreadedKVWorker, chunk_hashes
 from aiokv.testing import FaultInjectingBackend, PagedCache, same_blocks
 
 SAFETY_TIMEOUT_S = 30.0  # how long a wait may last before the test fails
@@ -135,3 +135,16 @@ def same_exception(raised: BaseException | None, template: BaseException) -> boo
         and raised.args == template.args
         and vars(raised) == vars(template)
     )
+
+
+def hold_loop(worker: ThreadedKVWorker) -> threading.Event:
+    """Keep the worker's loop thread busy in a callback until the returned event is set."""
+    held, release = threading.Event(), threading.Event()  # the loop is private: tests only
+
+    def hold() -> None:
+        held.set()
+        release.wait(SAFETY_TIMEOUT_S)
+
+    worker._loop.call_soon_threadsafe(hold)
+    assert held.wait(SAFETY_TIMEOUT_S)
+    return release

@@ -109,6 +109,51 @@ def test_store_figures_are_medians_over_the_cold_prompts(tiny_run: dict[str, Any
         figures = tiny_run["per_round"][0][name]
         assert figures[f"store_ttft_s:{PROMPT_TOKENS}"] == pytest.approx(sum(ttfts) / 2), name
         assert figures[f"store_cpu_s:{PROMPT_TOKENS}"] == pytest.approx(sum(r["cpu_s"] for r in runs) / 2)
+        in_connector = [run["step_connector_s"][run["requests"][0]["first_token_step"]] for run in runs]
+        if name == "recompute":
+            assert f"store_connector_ms:{PROMPT_TOKENS}" not in figures
+        else:  # the connector's share of the prefill step that gave the first token
+            assert figures[f"store_connector_ms:{PROMPT_TOKENS}"] == pytest.approx(500 * sum(in_connector))
+
+
+@pytest.mark.mooncake
+def test_every_engine_runs_with_the_malloc_tunables_and_times_each_step(
+    tiny_run: dict[str, Any],
+) -> None:
+    (results,) = tiny_run["raw"]
+    for name in bench.CONFIGS:
+        for role in ("store", "load"):
+            engine = results[name][role]
+            wanted = set(bench.ENGINE_MALLOC_TUNABLES.split(":"))
+            assert wanted <= set(engine["glibc_tunables"].split(":")), (name, role)
+        for run in [*results[name]["store"]["long"], *results[name]["store"]["cold"]]:
+            steps = len(run["step_seconds"])
+            assert steps > 0
+            assert len(run["step_cpu_s"]) == len(run["step_minor_faults"]) == len(run["step_gc_s"]) == steps
+            assert len(run["step_connector_s"]) == steps
+            in_connector = sum(run["step_connector_s"])
+            # Every connector is timed (each step calls it), the run without one never is.
+            assert (in_connector > 0) == (name != "recompute"), (name, in_connector)
+            assert all(
+                0 <= s <= step for s, step in zip(run["step_connector_s"], run["step_seconds"], strict=True)
+            )
+            gc_and_step = zip(run["step_gc_s"], run["step_seconds"], strict=True)
+            assert all(0 <= gc_s <= step for gc_s, step in gc_and_step)
+            assert all(faults >= 0 for faults in run["step_minor_faults"])
+            prefill = run["requests"][0]["first_token_step"]
+            assert run["step_cpu_s"][prefill] > 0, name  # the prefill computed in this process
+
+
+def test_engine_env_adds_the_malloc_tunables_to_the_callers() -> None:
+    tunables = "glibc.malloc.mmap_threshold=1"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GLIBC_TUNABLES", "glibc.cpu.hwcaps=-AVX2")
+        env = bench.engine_env(None, 1, tunables)
+        assert env["GLIBC_TUNABLES"] == "glibc.cpu.hwcaps=-AVX2:" + tunables
+        assert bench.engine_env(None, 1, "")["GLIBC_TUNABLES"] == "glibc.cpu.hwcaps=-AVX2"
+        patch.delenv("GLIBC_TUNABLES")
+        assert bench.engine_env(None, 1, tunables)["GLIBC_TUNABLES"] == tunables
+        assert "GLIBC_TUNABLES" not in bench.engine_env(None, 1, "")
 
 
 @pytest.mark.mooncake

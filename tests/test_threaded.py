@@ -26,6 +26,7 @@ from .helpers import (
     SAFETY_TIMEOUT_S,
     aiokv_threads,
     chunk_keys,
+    hold_loop,
     prompt,
     recording_backend,
     scattered_block_ids,
@@ -292,19 +293,6 @@ def test_store_many_and_load_many_move_every_request_and_fail_only_the_refused_o
         worker.store_many([(prompts[0], src[0])])
 
 
-def _hold_loop(worker: ThreadedKVWorker) -> threading.Event:
-    """Keep the worker's loop thread busy in a callback until the returned event is set."""
-    held, release = threading.Event(), threading.Event()  # the loop is private: tests only
-
-    def hold() -> None:
-        held.set()
-        release.wait(SAFETY_TIMEOUT_S)
-
-    worker._loop.call_soon_threadsafe(hold)
-    assert held.wait(SAFETY_TIMEOUT_S)
-    return release
-
-
 def test_store_many_load_many_and_lookup_many_never_wait_for_the_loop_thread(
     cache: PagedCache, backend: FaultInjectingBackend, loop_factory: Callable[[], Any]
 ) -> None:
@@ -314,7 +302,7 @@ def test_store_many_load_many_and_lookup_many_never_wait_for_the_loop_thread(
     prompts = [prompt(110 + i, chunks) for i in range(2)]
     src = [consecutive(chunks, start=i * 8) for i in range(2)]
     with make(cache, backend, loop_factory) as worker:
-        release = _hold_loop(worker)
+        release = hold_loop(worker)
         try:
             stored = worker.store_many([(prompts[i], src[i]) for i in range(2)])
             looked = worker.lookup_many(prompts)
@@ -326,7 +314,7 @@ def test_store_many_load_many_and_lookup_many_never_wait_for_the_loop_thread(
         assert stored[0].request_id is not None and stored[0].request_id < stored[1].request_id  # type: ignore[operator]
         # Each lookup was taken after the stores were, yet may answer before they finish: 0 or all.
         assert all(f.result(SAFETY_TIMEOUT_S) in (0, chunks * C) for f in looked)
-        release = _hold_loop(worker)
+        release = hold_loop(worker)
         try:
             loaded = worker.load_many([(prompts[0], consecutive(chunks, start=24))])
             assert not loaded[0].done()
@@ -409,3 +397,24 @@ def test_bench_handoff_reports_both_paths_and_their_ratios(
     for key, ratio in report["store_many_vs_store"].items():
         assert ratio == pytest.approx(figures["store_many"][key] / figures["store"][key])
     assert bench_cli.main(["handoff", "--steps", "0"]) == 2
+
+
+def test_stats_soon_never_waits_for_the_loop_and_answers_once_it_is_free(
+    cache: PagedCache, backend: FaultInjectingBackend, loop_factory: Callable[[], Any]
+) -> None:
+    chunks = 2
+    with make(cache, backend, loop_factory) as worker:
+        stored = worker.store(prompt(130, chunks), consecutive(chunks)).result(SAFETY_TIMEOUT_S)
+        assert stored.stored == chunks
+        release = hold_loop(worker)
+        try:
+            soon = worker.stats_soon()
+            assert not soon.done()  # handed out while the loop thread is busy
+        finally:
+            release.set()
+        stats = soon.result(SAFETY_TIMEOUT_S)
+        assert stats["requests"]["store"] == 1
+        assert stats["chunks"]["stored"] == chunks
+        assert stats == worker.stats() | {"latency": stats["latency"]}  # the same counters
+    with pytest.raises(WorkerClosedError):
+        worker.stats_soon()

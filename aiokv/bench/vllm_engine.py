@@ -15,11 +15,16 @@ mixed workload with new suffixes on the stored prefixes.
 
 from __future__ import annotations
 
+import functools
+import gc
 import json
 import logging
 import os
+import resource
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +55,10 @@ class RunRecord:
     requests: list[RequestRecord]
     step_starts: list[float]
     step_seconds: list[float]
+    step_cpu_seconds: list[float]  # this process's CPU per step: a slow step computing vs waiting
+    step_minor_faults: list[int]  # pages first touched per step: fresh memory vs reused
+    step_gc_seconds: list[float]  # in Python's garbage collector: a stalled step collecting vs not
+    step_connector_seconds: list[float]  # inside the connector's methods: its own share of the step
     pending_stores: list[int]
     started: float
     outputs_done: float
@@ -72,6 +81,10 @@ class RunRecord:
                 for r in self.requests
             ],
             "step_seconds": self.step_seconds,
+            "step_cpu_s": self.step_cpu_seconds,
+            "step_minor_faults": self.step_minor_faults,
+            "step_gc_s": self.step_gc_seconds,
+            "step_connector_s": self.step_connector_seconds,
             "pending_stores": self.pending_stores,
             "step_offsets_s": [start - self.started for start in self.step_starts],
             "outputs_s": self.outputs_done - self.started,
@@ -79,6 +92,68 @@ class RunRecord:
             "drain_s": self.drained - self.outputs_done,
             "cpu_s": self.cpu_seconds,
         }
+
+
+def _minor_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+class _GcClock:
+    """Seconds this process has spent in the garbage collector since it was made (any thread)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+
+
+class _ConnectorClock:
+    """Wall seconds this thread (the engine's) has spent inside the connectors' methods since it was
+    made: both halves, scheduler and worker, of whichever connector the engine runs."""
+
+    def __init__(self, connectors: list[Any]) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+        self.seconds = 0.0
+        self._thread = threading.get_ident()
+        self._depth = 0  # a method calling another of its own is counted once
+        api = [name for name in dir(KVConnectorBase_V1) if not name.startswith("_")]
+        for connector in connectors:
+            for name in api:
+                method = getattr(connector, name, None)
+                if callable(method):
+                    setattr(connector, name, self._timed(method))
+
+    def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(method)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != self._thread or self._depth:
+                return method(*args, **kwargs)
+            self._depth += 1
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self._depth -= 1
+
+        return timed
+
+
+def _connectors(scheduler: Any) -> list[Any]:
+    """The scheduler's connector and the worker's (in-process mode: both live in this process)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    found = [scheduler.connector] if scheduler.connector is not None else []
+    if has_kv_transfer_group():
+        found.append(get_kv_transfer_group())
+    return found
 
 
 class EngineDriver:
@@ -95,6 +170,8 @@ class EngineDriver:
         self._sampling = SamplingParams
         self._prompt = TokensPrompt
         self._serial = 0
+        self._gc_clock = _GcClock()
+        self._connector_clock = _ConnectorClock(_connectors(self._scheduler))
 
     def pending_stores(self) -> int:
         """Finished requests the scheduler still holds for the connector (their blocks are being stored),
@@ -127,17 +204,26 @@ class EngineDriver:
             self._engine.add_request(request_id, self._prompt(prompt_token_ids=list(prompt["ids"])), params)
         step_starts: list[float] = []
         step_seconds: list[float] = []
+        step_cpu_seconds: list[float] = []
+        step_minor_faults: list[int] = []
+        step_gc_seconds: list[float] = []
+        step_connector_seconds: list[float] = []
         pending_stores: list[int] = []
         outputs_done: float | None = None
         deadline = started + RUN_TIMEOUT_S
         while self.busy() if drain else self._engine.has_unfinished_requests():
             if time.perf_counter() > deadline:
                 raise TimeoutError(f"requests not done after {RUN_TIMEOUT_S:.0f} s: {sorted(records)}")
-            step_start = time.perf_counter()
+            step_start, cpu_before, faults_before = time.perf_counter(), time.process_time(), _minor_faults()
+            gc_before, connector_before = self._gc_clock.seconds, self._connector_clock.seconds
             outputs = self._engine.step()
             now = time.perf_counter()
             step_starts.append(step_start)
             step_seconds.append(now - step_start)
+            step_cpu_seconds.append(time.process_time() - cpu_before)
+            step_minor_faults.append(_minor_faults() - faults_before)
+            step_gc_seconds.append(self._gc_clock.seconds - gc_before)
+            step_connector_seconds.append(self._connector_clock.seconds - connector_before)
             pending_stores.append(self.pending_stores())
             for output in outputs:
                 record = records[output.request_id]
@@ -157,6 +243,10 @@ class EngineDriver:
             requests=list(records.values()),
             step_starts=step_starts,
             step_seconds=step_seconds,
+            step_cpu_seconds=step_cpu_seconds,
+            step_minor_faults=step_minor_faults,
+            step_gc_seconds=step_gc_seconds,
+            step_connector_seconds=step_connector_seconds,
             pending_stores=pending_stores,
             started=started,
             outputs_done=end if outputs_done is None else outputs_done,
@@ -249,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "start_s": time.perf_counter() - start,
         "start_cpu_s": time.process_time() - cpu_start,
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),  # the allocator it ran with
     }
     driver = EngineDriver(llm)
     role = run_store_role if spec["role"] == "store" else run_load_role

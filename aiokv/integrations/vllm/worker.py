@@ -28,6 +28,7 @@ from .config import ConnectorConfig
 from .geometry import KVGeometry, engine_layout
 from .keys import key_namespace
 from .metadata import AiokvConnectorMetadata, TransferSpec
+from .stats_reporter import StatsReporter
 
 logger = logging.getLogger("aiokv.vllm")
 
@@ -81,10 +82,9 @@ class WorkerSide:
         self._with_stores: set[str] = set()
         self._finishing: set[str] = set()
         self._load_errors: set[int] = set()
-        self._last_stats: dict[str, int] = {}
         # Connector-level events, for tests and logs (the worker's own counters are in stats()).
         self.events: Counter[str] = Counter()
-        self._stats_at = 0.0
+        self._stats: StatsReporter | None = None
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         layout = engine_layout(kv_caches, self.geometry)
@@ -108,6 +108,7 @@ class WorkerSide:
             release_backend(self.engine_id, self._backend)
             self._backend = None
             return
+        self._stats = StatsReporter(self._worker, _STATS_INTERVAL_S)
         at_exit(self.shutdown)
         logger.info(
             "aiokv: KV cache registered (%d layers x %d blocks of %d bytes, %d tokens per key)",
@@ -233,27 +234,9 @@ class WorkerSide:
         return errors
 
     def stats_delta(self) -> dict[str, int] | None:
-        """Counters since the last call (at most once a second), or None."""
-        now = time.monotonic()
-        if self._worker is None or now - self._stats_at < _STATS_INTERVAL_S:
-            return None
-        self._stats_at = now
-        stats = self._worker.stats()
-        current = {
-            "store_requests": stats["requests"].get("store", 0),
-            "load_requests": stats["requests"].get("load", 0),
-            "lookup_requests": stats["requests"].get("lookup", 0),
-            "chunks_stored": stats["chunks"].get("stored", 0),
-            "chunks_skipped": stats["chunks"].get("skipped", 0),
-            "chunks_loaded": stats["chunks"].get("loaded", 0),
-            "chunks_failed": stats["chunks"].get("failed", 0) + stats["chunks"].get("load_failed", 0),
-            "bytes_put": stats["bytes"].get("put", 0),
-            "bytes_get": stats["bytes"].get("get", 0),
-            "backend_errors": sum(stats["backend_errors"].values()),
-        }
-        delta = {key: value - self._last_stats.get(key, 0) for key, value in current.items()}
-        self._last_stats = current
-        return delta if any(delta.values()) else None
+        """Counters since the last report, or None; never waits for aiokv's loop (see
+        :class:`StatsReporter`)."""
+        return self._stats.delta() if self._stats is not None else None
 
     def stats(self) -> dict[str, Any]:
         """The connector's events and the aiokv worker's counters (JSON-friendly)."""
