@@ -55,10 +55,7 @@ class RunRecord:
     requests: list[RequestRecord]
     step_starts: list[float]
     step_seconds: list[float]
-    step_cpu_seconds: list[float]  # this process's CPU per step: a slow step computing vs waiting
-    step_minor_faults: list[int]  # pages first touched per step: fresh memory vs reused
-    step_gc_seconds: list[float]  # in Python's garbage collector: a stalled step collecting vs not
-    step_connector_seconds: list[float]  # inside the connector's methods: its own share of the step
+    step_meters: dict[str, list[float]]  # per step, each of :class:`_StepMeters`' readings
     pending_stores: list[int]
     started: float
     outputs_done: float
@@ -81,10 +78,7 @@ class RunRecord:
                 for r in self.requests
             ],
             "step_seconds": self.step_seconds,
-            "step_cpu_s": self.step_cpu_seconds,
-            "step_minor_faults": self.step_minor_faults,
-            "step_gc_s": self.step_gc_seconds,
-            "step_connector_s": self.step_connector_seconds,
+            **self.step_meters,
             "pending_stores": self.pending_stores,
             "step_offsets_s": [start - self.started for start in self.step_starts],
             "outputs_s": self.outputs_done - self.started,
@@ -146,6 +140,22 @@ class _ConnectorClock:
         return timed
 
 
+class _StepMeters:
+    """Cumulative readings of this process, taken before and after each step: the step's share."""
+
+    def __init__(self, connectors: list[Any]) -> None:
+        gc_clock, connector_clock = _GcClock(), _ConnectorClock(connectors)
+        self._readers: dict[str, Callable[[], float]] = {
+            "step_cpu_s": time.process_time,  # a slow step computing vs waiting
+            "step_minor_faults": _minor_faults,  # pages first touched: fresh memory vs reused
+            "step_gc_s": lambda: gc_clock.seconds,  # a stalled step collecting garbage vs not
+            "step_connector_s": lambda: connector_clock.seconds,  # the connector's own share
+        }
+
+    def read(self) -> dict[str, float]:
+        return {name: read() for name, read in self._readers.items()}
+
+
 def _connectors(scheduler: Any) -> list[Any]:
     """The scheduler's connector and the worker's (in-process mode: both live in this process)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
@@ -170,8 +180,7 @@ class EngineDriver:
         self._sampling = SamplingParams
         self._prompt = TokensPrompt
         self._serial = 0
-        self._gc_clock = _GcClock()
-        self._connector_clock = _ConnectorClock(_connectors(self._scheduler))
+        self._meters = _StepMeters(_connectors(self._scheduler))
 
     def pending_stores(self) -> int:
         """Finished requests the scheduler still holds for the connector (their blocks are being stored),
@@ -204,26 +213,20 @@ class EngineDriver:
             self._engine.add_request(request_id, self._prompt(prompt_token_ids=list(prompt["ids"])), params)
         step_starts: list[float] = []
         step_seconds: list[float] = []
-        step_cpu_seconds: list[float] = []
-        step_minor_faults: list[int] = []
-        step_gc_seconds: list[float] = []
-        step_connector_seconds: list[float] = []
+        step_meters: dict[str, list[float]] = {name: [] for name in self._meters.read()}
         pending_stores: list[int] = []
         outputs_done: float | None = None
         deadline = started + RUN_TIMEOUT_S
         while self.busy() if drain else self._engine.has_unfinished_requests():
             if time.perf_counter() > deadline:
                 raise TimeoutError(f"requests not done after {RUN_TIMEOUT_S:.0f} s: {sorted(records)}")
-            step_start, cpu_before, faults_before = time.perf_counter(), time.process_time(), _minor_faults()
-            gc_before, connector_before = self._gc_clock.seconds, self._connector_clock.seconds
+            step_start, before = time.perf_counter(), self._meters.read()
             outputs = self._engine.step()
             now = time.perf_counter()
             step_starts.append(step_start)
             step_seconds.append(now - step_start)
-            step_cpu_seconds.append(time.process_time() - cpu_before)
-            step_minor_faults.append(_minor_faults() - faults_before)
-            step_gc_seconds.append(self._gc_clock.seconds - gc_before)
-            step_connector_seconds.append(self._connector_clock.seconds - connector_before)
+            for name, reading in self._meters.read().items():
+                step_meters[name].append(reading - before[name])
             pending_stores.append(self.pending_stores())
             for output in outputs:
                 record = records[output.request_id]
@@ -243,10 +246,7 @@ class EngineDriver:
             requests=list(records.values()),
             step_starts=step_starts,
             step_seconds=step_seconds,
-            step_cpu_seconds=step_cpu_seconds,
-            step_minor_faults=step_minor_faults,
-            step_gc_seconds=step_gc_seconds,
-            step_connector_seconds=step_connector_seconds,
+            step_meters=step_meters,
             pending_stores=pending_stores,
             started=started,
             outputs_done=end if outputs_done is None else outputs_done,
