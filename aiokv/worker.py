@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -48,6 +48,7 @@ from .results import LoadResult, StoreResult
 from .stats import Kind, StatName, WorkerStats
 
 logger = logging.getLogger("aiokv")
+T = TypeVar("T")
 
 __all__ = ["DEFAULT_REGIONS_PER_CALL", "BlockIds", "KVWorker", "WorkerState"]
 
@@ -145,6 +146,7 @@ class KVWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lanes: Lanes | None = None
         self._dispatcher: Dispatcher | None = None
+        self._pipeline: BatchPipeline | None = None
         self._finish_task: asyncio.Task[None] | None = None
 
     # -- read-only figures ----------------------------------------------------------------------
@@ -209,7 +211,7 @@ class KVWorker:
             lanes.shutdown_now()
             self._move(WorkerState.CLOSED)
             raise
-        pipeline = BatchPipeline(self._config, self._tracker, lanes, self._stats)
+        pipeline = self._pipeline = BatchPipeline(self._config, self._tracker, lanes, self._stats)
         self._dispatcher = Dispatcher(pipeline.run_transfers, pipeline.run_lookups, self._max_batches)
         self._dispatcher.start()
         if guard is not None:
@@ -310,7 +312,7 @@ class KVWorker:
             self._tracker.finish_lookup(request, 0)
         elif self._guard is not None and not self._guard.allow(Kind.LOOKUP):
             self._tracker.refuse(request)
-        else:
+        elif not self._running_pipeline().answer_lookup_now(request):
             self._running_dispatcher().submit_lookup(request)
         result: int = await request.future
         return result
@@ -390,11 +392,17 @@ class KVWorker:
         return calling_loop(self._running_loop())
 
     def _running_dispatcher(self) -> Dispatcher:
-        if self._dispatcher is None:
-            raise WorkerClosedError("the worker is not started")
-        return self._dispatcher
+        return _started(self._dispatcher)
+
+    def _running_pipeline(self) -> BatchPipeline:
+        return _started(self._pipeline)
 
     def _running_lanes(self) -> Lanes:
-        if self._lanes is None:
-            raise WorkerClosedError("the worker is not started")
-        return self._lanes
+        return _started(self._lanes)
+
+
+def _started(part: T | None) -> T:
+    """A part the worker builds in :meth:`KVWorker.start`."""
+    if part is None:
+        raise WorkerClosedError("the worker is not started")
+    return part

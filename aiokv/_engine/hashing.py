@@ -4,6 +4,8 @@ stalls neither on a long prompt nor on thousands of short ones."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 from ..errors import InvalidRequestError
@@ -24,27 +26,40 @@ async def hash_prompts(
 ) -> None:
     """Set ``hashes`` of every unfinished request that has tokens; a bad token value fails only its
     request."""
-    c = chunk_tokens
     clock = LoopSlice()
     for request in requests:
         await clock.tick()
         if request.hashes is not None or request.finished:
             continue
-        tokens = request.tokens
-        hashes: list[str] = []
-        previous = seed
-        slice_tokens = HASH_SLICE_TOKENS_ARRAY if isinstance(tokens, np.ndarray) else HASH_SLICE_TOKENS_LIST
-        per_slice = max(1, min(slice_tokens // c, HASH_SLICE_CHUNKS))
-        try:
-            for first in range(0, request.num_chunks, per_slice):
-                count = min(per_slice, request.num_chunks - first)
-                data = token_bytes(tokens[first * c : (first + count) * c])  # type: ignore[index]
-                digests = chain_digests(data, 4 * c, count, previous)
-                hashes += digests_to_hex(digests)
-                previous = digests[-1]
-                await clock.tick()
-        except (TypeError, ValueError) as exc:
-            tracker.fail(request, InvalidRequestError(f"{request.kind.value} #{request.id}: {exc}"))
-            continue
-        request.hashes = hashes
-        request.tokens = None
+        for _ in _hashing(request, chunk_tokens, seed, tracker):
+            await clock.tick()
+
+
+def hash_now(request: Request, chunk_tokens: int, seed: bytes, tracker: RequestTracker) -> None:
+    """:func:`hash_prompts` of one short prompt, in the call."""
+    for _ in _hashing(request, chunk_tokens, seed, tracker):
+        pass
+
+
+def _hashing(request: Request, chunk_tokens: int, seed: bytes, tracker: RequestTracker) -> Iterator[None]:
+    """Hash ``request``'s tokens a slice at a time (yielding after each), then set its ``hashes``;
+    on a bad token value, fail it instead."""
+    c = chunk_tokens
+    tokens = request.tokens
+    hashes: list[str] = []
+    previous = seed
+    slice_tokens = HASH_SLICE_TOKENS_ARRAY if isinstance(tokens, np.ndarray) else HASH_SLICE_TOKENS_LIST
+    per_slice = max(1, min(slice_tokens // c, HASH_SLICE_CHUNKS))
+    try:
+        for first in range(0, request.num_chunks, per_slice):
+            count = min(per_slice, request.num_chunks - first)
+            data = token_bytes(tokens[first * c : (first + count) * c])  # type: ignore[index]
+            digests = chain_digests(data, 4 * c, count, previous)
+            hashes += digests_to_hex(digests)
+            previous = digests[-1]
+            yield
+    except (TypeError, ValueError) as exc:
+        tracker.fail(request, InvalidRequestError(f"{request.kind.value} #{request.id}: {exc}"))
+        return
+    request.hashes = hashes
+    request.tokens = None

@@ -33,7 +33,7 @@ Unreadable = Callable[[Sequence[str]], BoolArray]  # per key: whether reads of i
 async def decide(
     cycle: Cycle,
     live: list[Request],
-    present: IntArray,
+    present: BoolArray,
     groups: int,
     *,
     backing_off: bool,
@@ -62,7 +62,7 @@ async def decide(
 def _decide_store(
     cycle: Cycle,
     request: Request,
-    present: IntArray,
+    present: BoolArray,
     taken: IntArray,
     plan: Plan,
     *,
@@ -95,7 +95,7 @@ def _decide_store(
             plan[group].append(Rows(request, Op.PUT, chunks, positions[chunks]))
 
 
-def _decide_load(request: Request, present: IntArray, plan: Plan) -> None:
+def _decide_load(request: Request, present: BoolArray, plan: Plan) -> None:
     found = np.stack([present[positions] for positions in request.positions])
     holes = np.flatnonzero(~found.all(axis=0))
     prefix = int(holes[0]) if holes.size else request.num_chunks
