@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._arrays import IntArray
-from .batch_keys import pick
 from .regions import Call, GroupRows
 from .request import Request
 from .tracker import RequestTracker
@@ -41,5 +40,5 @@ def admit(call: Call, rows: GroupRows, tracker: RequestTracker) -> Admission:
     if not admitted:
         return Admission(None, [], dropped)
     index = np.flatnonzero(keep)
-    cut = Call(call.op, call.rows[index], pick(call.keys, index), call.addrs[index], call.sizes[index])
+    cut = Call(call.op, call.rows[index], call.keys[index], call.addrs[index], call.sizes[index])
     return Admission(cut, admitted, dropped)

@@ -4,6 +4,7 @@ codes, counted in the stats and logged by code name; and the aiokv error a faile
 from __future__ import annotations
 
 import logging
+from collections.abc import Sized
 
 import numpy as np
 
@@ -18,7 +19,7 @@ logger = logging.getLogger("aiokv")
 
 def answer_codes(
     op: Op,
-    keys: list[str],
+    keys: Sized,
     sizes: IntArray,
     answer: object,
     stats: WorkerStats,

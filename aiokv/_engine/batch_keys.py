@@ -1,18 +1,30 @@
 """The keys of one batch: every request's keys, their positions in the batch's list of unique keys,
-and the outcome of each store key (shared with every request that has it)."""
+and the outcome of each store key (shared with every request that has it).
+
+Inside a batch, keys live in object arrays (:data:`KeyArray`), which the garbage collector never
+tracks: the next young collection walked every list or tuple of them (a 62,500-key prompt's four:
+5-8 ms on the loop, or on a transfer thread holding the GIL). Lists are made only for a backend call,
+a piece at a time (:func:`pick`)."""
 
 from __future__ import annotations
 
 import asyncio
 import operator
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+import numpy.typing as npt
 
 from .._arrays import IntArray
 from ..codes import Code
 from .slices import LoopSlice, pieces
+
+KeyArray = npt.NDArray[np.object_]  # keys (str), one per element
+
+
+def key_array(keys: Collection[str]) -> KeyArray:
+    return np.fromiter(keys, dtype=object, count=len(keys))
 
 
 @dataclass(eq=False, slots=True)
@@ -24,23 +36,24 @@ class Cycle:
     """
 
     outcomes_ready: asyncio.Future[None]
-    keys: list[str] = field(default_factory=list)  # unique keys of the batch
+    keys: KeyArray = field(default_factory=lambda: key_array(()))  # unique keys of the batch
     owned: IntArray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     outcome: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-    claimed: list[str] = field(default_factory=list)
+    claimed: KeyArray = field(default_factory=lambda: key_array(()))
+    number: int = -1  # given by Claims as the batch claims its keys
     _index: dict[str, int] | None = None
 
     @classmethod
     def new(cls) -> Cycle:
         return cls(outcomes_ready=asyncio.get_running_loop().create_future())
 
-    async def outcome_of(self, keys: Sequence[str]) -> IntArray:
+    async def outcome_of(self, keys: KeyArray) -> IntArray:
         """The outcome of each of ``keys`` (keys of this batch), built in slices."""
         if self._index is None:  # only batches that other requests wait on need it
             self._index = await index_of(self.keys)
         return self.outcome[await positions_in(self._index, keys)]
 
-    def set_keys(self, keys: list[str]) -> None:
+    def set_keys(self, keys: KeyArray) -> None:
         self.keys = keys
         self.owned = np.zeros(len(keys), dtype=bool)
         self.outcome = np.full(len(keys), Code.PENDING, dtype=np.int64)
@@ -53,7 +66,7 @@ class Cycle:
 
 
 async def assign_positions(
-    cycle: Cycle, per_request_keys: Sequence[Sequence[Sequence[str]]]
+    cycle: Cycle, per_request_keys: Sequence[Sequence[KeyArray]]
 ) -> list[list[IntArray]]:
     """Fill ``cycle``'s unique keys; return, per request and group, each key's position in them."""
     clock = LoopSlice()
@@ -63,7 +76,7 @@ async def assign_positions(
         for part in pieces(len(keys)):
             unique.update(dict.fromkeys(keys[part]))
             await clock.tick()
-    cycle.set_keys(list(unique))
+    cycle.set_keys(key_array(unique))
     positions: list[list[IntArray]] = []
     if len(unique) == sum(map(len, every_key)):
         # No key repeats (the usual case): positions are consecutive, no per-key lookups.
@@ -82,7 +95,7 @@ async def assign_positions(
     return positions
 
 
-async def index_of(keys: list[str]) -> dict[str, int]:
+async def index_of(keys: KeyArray) -> dict[str, int]:
     """``{key: its position}``, built in slices."""
     clock = LoopSlice()
     index: dict[str, int] = {}
@@ -92,7 +105,7 @@ async def index_of(keys: list[str]) -> dict[str, int]:
     return index
 
 
-async def positions_in(index: dict[str, int], keys: Sequence[str]) -> IntArray:
+async def positions_in(index: dict[str, int], keys: KeyArray) -> IntArray:
     """The position of each of ``keys`` in ``index``, in slices."""
     clock = LoopSlice()
     found = np.empty(len(keys), dtype=np.int64)
@@ -102,17 +115,18 @@ async def positions_in(index: dict[str, int], keys: Sequence[str]) -> IntArray:
     return found
 
 
-def pick(items: Sequence[str], index: IntArray) -> list[str]:
-    """``[items[i] for i in index]`` at C speed."""
+def pick(items: Sequence[str] | KeyArray, index: IntArray) -> list[str]:
+    """``[items[i] for i in index]`` at C speed, as a list (what a backend call takes)."""
+    if isinstance(items, np.ndarray):
+        return items[index].tolist()  # type: ignore[no-any-return]
     if index.size == 1:
         return [items[int(index[0])]]
     return list(operator.itemgetter(*index.tolist())(items)) if index.size else []
 
 
-def pick_rows(items: Sequence[str], rows: IntArray) -> list[str]:
-    """``items`` at ``rows``, by slicing when the rows are consecutive (the usual case)."""
+def rows_of(keys: KeyArray, rows: IntArray) -> KeyArray:
+    """``keys`` at ``rows``: a view when the rows are consecutive (the usual case), else a copy."""
     first, last = int(rows[0]), int(rows[-1])
     if last - first + 1 != rows.size:
-        return pick(items, rows)
-    part = items[first : last + 1]
-    return part if isinstance(part, list) else list(part)  # a request's keys are a tuple
+        return keys[rows]
+    return keys[first : last + 1]

@@ -10,6 +10,7 @@ import numpy as np
 
 from ..errors import InvalidRequestError
 from ..keys import chain_digests, digests_to_hex, token_bytes
+from .batch_keys import KeyArray
 from .request import Request
 from .slices import LoopSlice
 from .tracker import RequestTracker
@@ -19,6 +20,7 @@ from .tracker import RequestTracker
 HASH_SLICE_TOKENS_ARRAY = 12288
 HASH_SLICE_TOKENS_LIST = 4096
 HASH_SLICE_CHUNKS = 1024  # short chunks: each digest costs ~1.5 us whatever its length
+SHORT_PROMPT_CHUNKS = 64  # up to this many digests go in a list, more in an object array
 
 
 async def hash_prompts(
@@ -46,7 +48,11 @@ def _hashing(request: Request, chunk_tokens: int, seed: bytes, tracker: RequestT
     on a bad token value, fail it instead."""
     c = chunk_tokens
     tokens = request.tokens
-    hashes: list[str] = []
+    # A long prompt's digests go in an object array, which the collector never tracks (see the
+    # batch_keys module); a short one's in a list, cheaper to make.
+    hashes: list[str] | KeyArray = (
+        np.empty(request.num_chunks, dtype=object) if request.num_chunks > 64 else []
+    )
     previous = seed
     slice_tokens = HASH_SLICE_TOKENS_ARRAY if isinstance(tokens, np.ndarray) else HASH_SLICE_TOKENS_LIST
     per_slice = max(1, min(slice_tokens // c, HASH_SLICE_CHUNKS))
@@ -55,7 +61,10 @@ def _hashing(request: Request, chunk_tokens: int, seed: bytes, tracker: RequestT
             count = min(per_slice, request.num_chunks - first)
             data = token_bytes(tokens[first * c : (first + count) * c])  # type: ignore[index]
             digests = chain_digests(data, 4 * c, count, previous)
-            hashes += digests_to_hex(digests)
+            if isinstance(hashes, list):
+                hashes += digests_to_hex(digests)
+            else:
+                hashes[first : first + count] = digests_to_hex(digests)
             previous = digests[-1]
             yield
     except (TypeError, ValueError) as exc:

@@ -30,12 +30,17 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import numpy as np
+import numpy.typing as npt
+
 from ..errors import WorkerClosedError
 from .slices import PIECE_KEYS, LoopSlice, pieces
 
 T = TypeVar("T")
 K = TypeVar("K")
 V = TypeVar("V")
+
+Items = Sequence[K] | npt.NDArray[np.object_]  # a sequence, or an object array of them
 
 # What a gate hands back when the call may start: the call itself, and what to do on the loop once
 # the thread has returned from it (whatever happened to the coroutine awaiting it).
@@ -81,7 +86,7 @@ class Lanes:
         return answer  # type: ignore[return-value]  # an ungated call always runs
 
     async def run_pieces(
-        self, lane: Lane, fn: Callable[[Sequence[K]], Sequence[V]], items: Sequence[K], size: int
+        self, lane: Lane, fn: Callable[[Sequence[K]], Sequence[V]], items: Items[K], size: int
     ) -> list[V]:
         """``fn(items)`` as calls of at most ``size`` items, one after the other, answers joined. A
         backend method written in Python holds the GIL for its whole call (``batch_exists`` of 62,500
@@ -89,11 +94,11 @@ class Lanes:
         send the next, so the loop gets the GIL back at least that often."""
         answer: list[V] = []
         for start in range(0, len(items), size):
-            answer += await self.run(lane, fn, items[start : start + size])
+            answer += await self.run(lane, fn, _as_list(items[start : start + size]))
         return answer
 
     async def run_pieces_on_loop(
-        self, fn: Callable[[Sequence[K]], Sequence[V]], items: Sequence[K], size: int = PIECE_KEYS
+        self, fn: Callable[[Sequence[K]], Sequence[V]], items: Items[K], size: int = PIECE_KEYS
     ) -> list[V]:
         """``fn(items)`` on the loop itself, for a backend method that answers at once (the embedded
         backend's ``batch_exists``): no thread hand-off, in calls of at most ``size`` items with a
@@ -104,7 +109,7 @@ class Lanes:
         for part in pieces(len(items), size):
             if self._terminated:
                 raise WorkerClosedError("the worker was terminated before the call ran")
-            answer += fn(items[part])
+            answer += fn(_as_list(items[part]))
             await clock.tick()
         return answer
 
@@ -181,6 +186,15 @@ class Lanes:
         """Blocking shutdown, for a start that failed before anything ran on the lanes."""
         for executor in self._executors.values():
             executor.shutdown(wait=True)
+
+
+def _as_list(items: Items[K]) -> list[K]:
+    """What a backend call takes: a list (a batch keeps its keys in an object array)."""
+    if isinstance(items, list):
+        return items
+    if isinstance(items, np.ndarray):
+        return items.tolist()  # type: ignore[no-any-return]
+    return list(items)
 
 
 def _nothing() -> None:

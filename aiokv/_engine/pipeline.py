@@ -20,7 +20,7 @@ bounded slice (:mod:`.slices`), whether the batch holds 10,000 requests or a 62,
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Sequence, Sized
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from ..errors import AiokvError, BackendError
 from ..stats import Kind, Op, WorkerStats
 from .answers import batch_error
 from .backoff import PressureBackoff
-from .batch_keys import Cycle, assign_positions
+from .batch_keys import Cycle, KeyArray, assign_positions
 from .claims import Claims
 from .config import EngineConfig
 from .confirm import WriteConfirmation
@@ -161,13 +161,13 @@ class BatchPipeline:
             hashes = request.hashes
             if hashes is None:
                 raise AiokvError(f"request #{request.id} reached key building unhashed")
-            per_group: list[tuple[str, ...]] = []
+            per_group: list[KeyArray] = []
             for prefix in config.prefixes:
-                keys: list[str] = []
+                keys = np.empty(len(hashes), dtype=object)  # see the batch_keys module on the collector
                 for part in pieces(len(hashes)):
-                    keys += [prefix + h for h in hashes[part]]
+                    keys[part] = [prefix + h for h in hashes[part]]
                     await clock.tick()
-                per_group.append(tuple(keys))  # tuples: see the request module on the garbage collector
+                per_group.append(keys)
             request.keys = tuple(per_group)
             request.hashes = None  # the keys hold what is needed from now on
             request.codes = tuple(
@@ -182,7 +182,7 @@ class BatchPipeline:
         """Presence of every key of the batch (checked on ``lane``); on failure every live request
         fails, and None."""
         keys = cycle.keys
-        if not keys:
+        if not len(keys):
             return np.zeros(0, dtype=bool)
         on_loop = lane is Lane.LOOKUP and self._config.exists_in_process
         size = PIECE_KEYS if on_loop else EXISTS_PIECE_KEYS
@@ -221,7 +221,7 @@ class BatchPipeline:
             request.drop_data()  # freed here, a slice at a time, not all at once as the batch ends
 
 
-def _presence(answer: Sequence[bool], keys: Sequence[str]) -> BoolArray:
+def _presence(answer: Sequence[bool], keys: Sized) -> BoolArray:
     if len(answer) != len(keys):
         raise BackendError(f"batch_exists answered {len(answer)} values for {len(keys)} keys")
     return np.asarray(answer, dtype=bool)

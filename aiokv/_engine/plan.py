@@ -11,7 +11,7 @@ import numpy as np
 from .._arrays import BoolArray, IntArray
 from ..codes import Code
 from ..stats import Kind, Op
-from .batch_keys import Cycle
+from .batch_keys import Cycle, KeyArray
 from .request import Request, Wait
 from .slices import LoopSlice
 
@@ -27,7 +27,7 @@ class Rows:
 
 
 Plan = list[list[Rows]]  # per group
-Unreadable = Callable[[Sequence[str]], BoolArray]  # per key: whether reads of it failed
+Unreadable = Callable[[Sequence[str] | KeyArray], BoolArray]  # per key: whether reads of it failed
 
 
 async def decide(
@@ -89,7 +89,7 @@ def _decide_store(
         taken[positions[first]] = True
         if duplicate.any():
             chunks = np.flatnonzero(duplicate)
-            request.waits += (Wait(cycle, group, chunks, [request.keys[group][i] for i in chunks]),)
+            request.waits += (Wait(cycle, group, chunks, request.keys[group][chunks]),)
         if first.any():
             chunks = np.flatnonzero(first)
             plan[group].append(Rows(request, Op.PUT, chunks, positions[chunks]))

@@ -7,10 +7,11 @@ fields (``state``, ``transfer_planned``, ``running_calls``, ``cancel_requested``
 ``abandoned``. Users see :class:`~aiokv.futures.TransferFuture` and results only.
 
 Thousands of requests can be in flight, and CPython's full garbage collection walks every tracked
-object: so a request holds its per-group data in tuples (a tuple of arrays or strings is untracked by
-the first collection it survives) rather than lists, and its future asks the request itself to cancel
-(no closure or bound method of its own). Per request in flight the collector then tracks the request
-and its future (two objects), 3 objects instead of 15; a settled future lets go of its request.
+object: so a request holds its per-group data in tuples of arrays (untracked by the first collection
+they survive; its keys are object arrays, never tracked) rather than lists, and its future asks the
+request itself to cancel (no closure or bound method of its own). Per request in flight the
+collector then tracks the request and its future (two objects), 3 objects instead of 15; a settled
+future lets go of its request.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from .._arrays import IntArray
 from ..futures import TransferFuture
 from ..keys import TokenIds
 from ..stats import Kind
-from .batch_keys import Cycle
+from .batch_keys import Cycle, KeyArray
 
 if TYPE_CHECKING:
     from .tracker import RequestTracker
@@ -44,7 +45,7 @@ class Wait:
     cycle: Cycle
     group: int
     chunks: IntArray
-    keys: Sequence[str]
+    keys: KeyArray
 
 
 @dataclass(eq=False, slots=True)
@@ -56,9 +57,9 @@ class Request:
     submitted: float
     future: TransferFuture[Any] = field(init=False, repr=False)  # set at once: it cancels through self
     tokens: TokenIds | None = None  # until hashed
-    hashes: Sequence[str] | None = None  # until its keys are built
+    hashes: Sequence[str] | KeyArray | None = None  # until its keys are built
     blocks: tuple[IntArray, ...] = ()  # per group: (num_chunks, blocks per chunk)
-    keys: tuple[tuple[str, ...], ...] = ()  # per group
+    keys: tuple[KeyArray, ...] = ()  # per group
     positions: tuple[IntArray, ...] = ()  # per group: index of each key in its batch
     codes: tuple[IntArray, ...] = ()  # per group: outcome of each chunk
     waits: tuple[Wait, ...] = ()

@@ -19,16 +19,16 @@ from ..stats import ChunkOutcome, WorkerStats
 def store_result(codes_per_group: Sequence[IntArray], stats: WorkerStats) -> StoreResult:
     if not codes_per_group or codes_per_group[0].size == 0:
         return StoreResult(0, 0, 0)
-    codes = np.stack(codes_per_group)  # (groups, chunks)
+    codes = _stacked(codes_per_group)
     failed = (codes < 0).any(axis=0)
-    stored = ~failed & (codes == WRITTEN).any(axis=0)
-    failed_chunks = tuple(np.flatnonzero(failed).tolist())
+    stored = int((~failed & (codes == WRITTEN).any(axis=0)).sum())
+    failed_chunks = tuple(np.flatnonzero(failed).tolist()) if failed.any() else ()
     result = StoreResult(
-        stored=int(stored.sum()),
-        skipped=int((~failed & ~stored).sum()),
+        stored=stored,
+        skipped=codes.shape[1] - stored - len(failed_chunks),
         failed=len(failed_chunks),
         failed_chunks=failed_chunks,
-        errors=count_errors(codes),
+        errors=count_errors(codes) if failed_chunks else {},
     )
     stats.chunks[ChunkOutcome.STORED] += result.stored
     stats.chunks[ChunkOutcome.SKIPPED] += result.skipped
@@ -41,7 +41,7 @@ def load_result(
 ) -> LoadResult:
     if not codes_per_group or codes_per_group[0].size == 0:
         return LoadResult(0, tuple(() for _ in blocks))
-    codes = np.stack(codes_per_group)
+    codes = _stacked(codes_per_group)
     loaded = np.asarray((codes >= 0).all(axis=0), dtype=np.bool_)
     failed = np.flatnonzero(~loaded)
     stats.chunks[ChunkOutcome.LOADED] += int(loaded.sum())
@@ -55,7 +55,7 @@ def load_result(
 
 
 def lookup_length(codes_per_group: Sequence[IntArray], chunk_tokens: int) -> int:
-    present = np.asarray(np.stack(codes_per_group).astype(bool).all(axis=0), dtype=np.bool_)
+    present = np.asarray(_stacked(codes_per_group).astype(bool).all(axis=0), dtype=np.bool_)
     return prefix_length(present) * chunk_tokens
 
 
@@ -64,8 +64,21 @@ def prefix_length(ok: npt.NDArray[np.bool_]) -> int:
     return int(bad[0]) if bad.size else int(ok.size)
 
 
+def _stacked(codes_per_group: Sequence[IntArray]) -> IntArray:
+    """(groups, chunks); one group as a view (settling 10,000 one-chunk requests calls this 10,000
+    times: every NumPy call saved is ~10 ms of the loop's time)."""
+    if len(codes_per_group) == 1:
+        return codes_per_group[0][np.newaxis]
+    return np.stack(codes_per_group)
+
+
+_INTERNAL = np.array(sorted(int(code) for code in INTERNAL_CODES), dtype=np.int64)
+
+
 def count_errors(codes: IntArray) -> dict[int, int]:
-    failures = codes[(codes < 0) & ~np.isin(codes, [int(code) for code in INTERNAL_CODES])]
+    failures = codes[codes < 0]
+    if failures.size:
+        failures = failures[~np.isin(failures, _INTERNAL)]
     if not failures.size:
         return {}
     values, counts = np.unique(failures, return_counts=True)

@@ -141,7 +141,7 @@ class GroupTransfer:
                 loop_now = asyncio.get_running_loop().time()
                 method = retrying = RetryingGet(method, read, monotonic_deadline(whens, loop_now))
             return (
-                lambda: method(going.keys, going.addrs, going.sizes),
+                lambda: method(going.keys.tolist(), going.addrs, going.sizes),  # a list for the call only
                 lambda: self._tracker.end_call(requests),
             )
 
