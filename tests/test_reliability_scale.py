@@ -316,12 +316,18 @@ async def test_a_batch_goes_on_while_a_lookup_hangs() -> None:
 
 
 class ThreadRecordingBackend(MemoryBackend):
-    def __init__(self, capacity_bytes: int) -> None:
+    """Records the thread of each existence check; the first ``exists_failures`` of them raise."""
+
+    def __init__(self, capacity_bytes: int, exists_failures: int = 0) -> None:
         super().__init__(capacity_bytes)
         self.exists_threads: list[str] = []
+        self.exists_failures = exists_failures
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         self.exists_threads.append(threading.current_thread().name)
+        if self.exists_failures:
+            self.exists_failures -= 1
+            raise RuntimeError("exists failed")
         return super().batch_exists(keys)
 
 
@@ -379,22 +385,10 @@ async def test_a_short_lookup_on_an_in_process_backend_is_answered_in_the_call()
         assert await _awaited_by_hand(worker.lookup(short)) == (0, True)  # not in-process: on its thread
 
 
-class ExistsFailingOnce(MemoryBackend):
-    def __init__(self, capacity_bytes: int) -> None:
-        super().__init__(capacity_bytes)
-        self.failures = 1
-
-    def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        if self.failures:
-            self.failures -= 1
-            raise RuntimeError("exists failed")
-        return super().batch_exists(keys)
-
-
 @pytest.mark.asyncio
 async def test_a_lookup_answered_in_the_call_fails_alone_and_the_worker_keeps_serving() -> None:
     cache, _ = _cache(4)
-    backend = ExistsFailingOnce(capacity_bytes=1 << 20)
+    backend = ThreadRecordingBackend(capacity_bytes=1 << 20, exists_failures=1)
     prompt = np.random.default_rng(14).integers(0, 128_000, size=2 * CHUNK_TOKENS, dtype=np.int64)
     async with KVWorker(cache.layout, backend, namespace="alone", chunk_tokens=CHUNK_TOKENS) as worker:
         with pytest.raises(BackendError, match="exists failed"):
