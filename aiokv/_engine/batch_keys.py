@@ -126,7 +126,11 @@ def pick(items: Sequence[str] | KeyArray, index: IntArray) -> list[str]:
 
 def rows_of(keys: KeyArray, rows: IntArray) -> KeyArray:
     """``keys`` at ``rows``: a view when the rows are consecutive (the usual case), else a copy."""
-    first, last = int(rows[0]), int(rows[-1])
-    if last - first + 1 != rows.size:
+    if not consecutive(rows):
         return keys[rows]
-    return keys[first : last + 1]
+    return keys[int(rows[0]) : int(rows[-1]) + 1]
+
+
+def consecutive(rows: IntArray) -> bool:
+    """Whether ascending ``rows`` are one run (``arange(first, last + 1)``)."""
+    return bool(rows.size) and int(rows[-1]) - int(rows[0]) + 1 == rows.size

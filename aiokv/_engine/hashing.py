@@ -51,7 +51,7 @@ def _hashing(request: Request, chunk_tokens: int, seed: bytes, tracker: RequestT
     # A long prompt's digests go in an object array, which the collector never tracks (see the
     # batch_keys module); a short one's in a list, cheaper to make.
     hashes: list[str] | KeyArray = (
-        np.empty(request.num_chunks, dtype=object) if request.num_chunks > 64 else []
+        np.empty(request.num_chunks, dtype=object) if request.num_chunks > SHORT_PROMPT_CHUNKS else []
     )
     previous = seed
     slice_tokens = HASH_SLICE_TOKENS_ARRAY if isinstance(tokens, np.ndarray) else HASH_SLICE_TOKENS_LIST

@@ -15,7 +15,7 @@ from .._arrays import BoolArray, IntArray
 from ..backends.base import keys_per_call
 from ..layout import RegionBatch
 from ..stats import Op
-from .batch_keys import KeyArray, rows_of
+from .batch_keys import KeyArray, consecutive, rows_of
 from .plan import Rows
 from .slices import LoopSlice, pieces
 
@@ -47,8 +47,8 @@ class GroupRows:
             lengths[j] = rows.chunks.size
             puts[j] = rows.op is Op.PUT
             request_keys, chunks = rows.request.keys[group], rows.chunks
-            if chunks.size and int(chunks[-1]) - int(chunks[0]) + 1 == chunks.size:
-                keys.append(rows_of(request_keys, chunks))  # consecutive (the usual case): a view
+            if consecutive(chunks):
+                keys.append(rows_of(request_keys, chunks))  # the usual case: a view, in one piece
             else:
                 for part in pieces(chunks.size):
                     keys.append(rows_of(request_keys, chunks[part]))
