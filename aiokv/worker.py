@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -48,7 +48,6 @@ from .results import LoadResult, StoreResult
 from .stats import Kind, StatName, WorkerStats
 
 logger = logging.getLogger("aiokv")
-T = TypeVar("T")
 
 __all__ = ["DEFAULT_REGIONS_PER_CALL", "BlockIds", "KVWorker", "WorkerState"]
 
@@ -146,7 +145,6 @@ class KVWorker:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lanes: Lanes | None = None
         self._dispatcher: Dispatcher | None = None
-        self._pipeline: BatchPipeline | None = None
         self._finish_task: asyncio.Task[None] | None = None
 
     # -- read-only figures ----------------------------------------------------------------------
@@ -211,8 +209,8 @@ class KVWorker:
             lanes.shutdown_now()
             self._move(WorkerState.CLOSED)
             raise
-        pipeline = self._pipeline = BatchPipeline(self._config, self._tracker, lanes, self._stats)
-        self._dispatcher = Dispatcher(pipeline.run_transfers, pipeline.run_lookups, self._max_batches)
+        pipeline = BatchPipeline(self._config, self._tracker, lanes, self._stats)
+        self._dispatcher = Dispatcher(pipeline, self._max_batches)
         self._dispatcher.start()
         if guard is not None:
             guard.start()
@@ -312,7 +310,7 @@ class KVWorker:
             self._tracker.finish_lookup(request, 0)
         elif self._guard is not None and not self._guard.allow(Kind.LOOKUP):
             self._tracker.refuse(request)
-        elif not self._running_pipeline().answer_lookup_now(request):
+        else:
             self._running_dispatcher().submit_lookup(request)
         result: int = await request.future
         return result
@@ -392,17 +390,11 @@ class KVWorker:
         return calling_loop(self._running_loop())
 
     def _running_dispatcher(self) -> Dispatcher:
-        return _started(self._dispatcher)
-
-    def _running_pipeline(self) -> BatchPipeline:
-        return _started(self._pipeline)
+        if self._dispatcher is None:
+            raise WorkerClosedError("the worker is not started")
+        return self._dispatcher
 
     def _running_lanes(self) -> Lanes:
-        return _started(self._lanes)
-
-
-def _started(part: T | None) -> T:
-    """A part the worker builds in :meth:`KVWorker.start`."""
-    if part is None:
-        raise WorkerClosedError("the worker is not started")
-    return part
+        if self._lanes is None:
+            raise WorkerClosedError("the worker is not started")
+        return self._lanes

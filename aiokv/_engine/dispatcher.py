@@ -1,5 +1,6 @@
 """Queues into batches. Two queues: transfers (stores and loads) and lookups, so a lookup never waits
-behind a batch. Tasks are held by role: the dispatcher task, the lookup task, the batch tasks. The
+behind a batch; a lookup the pipeline answers at once (a short one, on an in-process backend) never
+enters its queue. Tasks are held by role: the dispatcher task, the lookup task, the batch tasks. The
 lookups submitted and not yet answered are counted in the loop's :class:`LoopSlices`, which
 makes every batch of the loop slice finer meanwhile (see :mod:`.slices`)."""
 
@@ -7,17 +8,22 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from .request import Request
 from .slices import LoopSlices, answering_lookups
+
+if TYPE_CHECKING:
+    from .pipeline import BatchPipeline
 
 RunBatch = Callable[[list[Request]], Awaitable[None]]
 
 
 class Dispatcher:
-    def __init__(self, run_transfers: RunBatch, run_lookups: RunBatch, max_concurrent_batches: int) -> None:
-        self._run_transfers = run_transfers
-        self._run_lookups = run_lookups
+    def __init__(self, pipeline: BatchPipeline, max_concurrent_batches: int) -> None:
+        self._run_transfers: RunBatch = pipeline.run_transfers
+        self._run_lookups: RunBatch = pipeline.run_lookups
+        self._answer_lookup_now = pipeline.answer_lookup_now
         self._max_batches = max_concurrent_batches
         self._transfers: asyncio.Queue[Request | None] = asyncio.Queue()
         self._lookups: asyncio.Queue[Request | None] = asyncio.Queue()
@@ -38,6 +44,8 @@ class Dispatcher:
         self._transfers.put_nowait(request)
 
     def submit_lookup(self, request: Request) -> None:
+        if self._answer_lookup_now(request):
+            return
         self._lookups.put_nowait(request)
         self._count_lookups(1)
 
