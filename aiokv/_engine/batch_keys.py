@@ -21,6 +21,7 @@ from ..codes import Code
 from .slices import LoopSlice, pieces
 
 KeyArray = npt.NDArray[np.object_]  # keys (str), one per element
+Keys = Sequence[str] | KeyArray  # keys as a caller or a batch holds them
 
 
 def key_array(keys: Collection[str]) -> KeyArray:
@@ -115,7 +116,7 @@ async def positions_in(index: dict[str, int], keys: KeyArray) -> IntArray:
     return found
 
 
-def pick(items: Sequence[str] | KeyArray, index: IntArray) -> list[str]:
+def pick(items: Keys, index: IntArray) -> list[str]:
     """``[items[i] for i in index]`` at C speed, as a list (what a backend call takes)."""
     if isinstance(items, np.ndarray):
         return items[index].tolist()  # type: ignore[no-any-return]

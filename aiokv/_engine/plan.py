@@ -3,7 +3,7 @@ skipped, a load stops at its first hole) and collect, per group, the rows of chu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,7 +11,7 @@ import numpy as np
 from .._arrays import BoolArray, IntArray
 from ..codes import Code
 from ..stats import Kind, Op
-from .batch_keys import Cycle, KeyArray
+from .batch_keys import Cycle, Keys
 from .request import Request, Wait
 from .slices import LoopSlice
 
@@ -27,7 +27,7 @@ class Rows:
 
 
 Plan = list[list[Rows]]  # per group
-Unreadable = Callable[[Sequence[str] | KeyArray], BoolArray]  # per key: whether reads of it failed
+Unreadable = Callable[[Keys], BoolArray]  # per key: whether reads of it failed
 
 
 async def decide(

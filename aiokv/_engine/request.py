@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +25,7 @@ from .._arrays import IntArray
 from ..futures import TransferFuture
 from ..keys import TokenIds
 from ..stats import Kind
-from .batch_keys import Cycle, KeyArray
+from .batch_keys import Cycle, KeyArray, Keys
 
 if TYPE_CHECKING:
     from .tracker import RequestTracker
@@ -57,7 +56,7 @@ class Request:
     submitted: float
     future: TransferFuture[Any] = field(init=False, repr=False)  # set at once: it cancels through self
     tokens: TokenIds | None = None  # until hashed
-    hashes: Sequence[str] | KeyArray | None = None  # until its keys are built
+    hashes: Keys | None = None  # until its keys are built
     blocks: tuple[IntArray, ...] = ()  # per group: (num_chunks, blocks per chunk)
     keys: tuple[KeyArray, ...] = ()  # per group
     positions: tuple[IntArray, ...] = ()  # per group: index of each key in its batch

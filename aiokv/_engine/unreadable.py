@@ -10,7 +10,7 @@ import numpy as np
 from .._arrays import BoolArray
 from ..codes import Code
 from ..stats import Op
-from .batch_keys import Cycle, KeyArray, pick
+from .batch_keys import Cycle, Keys, pick
 from .plan import Plan
 
 UNREADABLE_KEYS_KEPT = 65536
@@ -27,7 +27,7 @@ class UnreadableKeys:
     def __len__(self) -> int:
         return len(self._keys)
 
-    def contains(self, keys: Sequence[str] | KeyArray) -> BoolArray:
+    def contains(self, keys: Keys) -> BoolArray:
         known = self._keys
         return np.fromiter((k in known for k in keys), dtype=bool, count=len(keys))
 
