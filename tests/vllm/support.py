@@ -295,16 +295,27 @@ PARALLEL_ENV = {
 
 
 class FailingGets:
-    """A backend wrapper whose every get fails (``TRANSFER_FAILED``) while its keys stay listed: a key
-    the store lists but cannot serve (e.g. a value of another size under the same key)."""
+    """A backend wrapper whose gets fail (``TRANSFER_FAILED``) while their keys stay listed: a key the
+    store lists but cannot serve (e.g. a value of another size under the same key). Every get, or with
+    ``only_keys_containing`` only the gets of keys containing it (one KV cache group's, say)."""
 
-    def __init__(self, inner: Any) -> None:
+    def __init__(self, inner: Any, only_keys_containing: str | None = None) -> None:
         self.inner = inner
+        self.only_keys_containing = only_keys_containing
 
     def batch_get(self, keys: Any, addrs: Any, sizes: Any) -> list[int]:
         from aiokv.backends.base import TRANSFER_FAILED
 
-        return [TRANSFER_FAILED] * len(keys)
+        marker = self.only_keys_containing
+        codes = [TRANSFER_FAILED] * len(keys)
+        served = [i for i, key in enumerate(keys) if marker is not None and marker not in key]
+        if served:
+            answers = self.inner.batch_get(
+                [keys[i] for i in served], [addrs[i] for i in served], [sizes[i] for i in served]
+            )
+            for index, code in zip(served, answers, strict=True):
+                codes[index] = code
+        return codes
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -316,6 +327,16 @@ def failing_gets_memory(config: Any, *, pure_client: bool) -> Any:
     from aiokv.backends.memory import MemoryBackend
 
     return FailingGets(MemoryBackend(capacity_bytes=config.memory_capacity))
+
+
+def failing_group_gets_mooncake(config: Any, *, pure_client: bool) -> Any:
+    """Backend factory for ``"backend": "tests.vllm.support:failing_group_gets_mooncake"``: Mooncake,
+    every put and get recorded (:class:`KeyLog`, ``AIOKV_TEST_KEY_LOG``), and the gets of keys
+    containing ``AIOKV_TEST_FAIL_KEYS_WITH`` (one KV cache group's) failing (:class:`FailingGets`)."""
+    from aiokv.integrations.vllm.clients import new_mooncake_backend
+
+    logged = KeyLog(new_mooncake_backend(config, pure_client=pure_client), os.environ["AIOKV_TEST_KEY_LOG"])
+    return FailingGets(logged, os.environ["AIOKV_TEST_FAIL_KEYS_WITH"])
 
 
 def read_value(backend: Any, key: str, size: int) -> bytes:

@@ -96,14 +96,16 @@ def test_geometry_and_refusals() -> None:
     from aiokv.integrations.vllm.geometry import kv_geometry, kv_layout_from_tensors
 
     full = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    geometry = kv_geometry(_kv_cache_config(full))
-    assert (geometry.block_size, geometry.page_bytes, geometry.dtype) == (128, 65536, "bfloat16")
+    (group,) = kv_geometry(_kv_cache_config(full)).groups
+    assert (group.block_size, group.page_bytes, group.dtype, group.kind) == (128, 65536, "bfloat16", "full")
     window = SlidingWindowSpec(
         block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=64
     )
-    for refused in (_kv_cache_config(full, window), _kv_cache_config(window)):
-        with pytest.raises(ValueError, match="disable_hybrid_kv_cache_manager"):
-            kv_geometry(refused)
+    hybrid = kv_geometry(_kv_cache_config(full, window))
+    assert hybrid.hybrid and [g.kind for g in hybrid.groups] == ["full", "swa64"]
+    small = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="different block sizes"):
+        kv_geometry(_kv_cache_config(full, small))
 
     caches = [torch.zeros(16, 2, 128, 128, dtype=torch.bfloat16) for _ in range(2)]
     layout = kv_layout_from_tensors(caches, block_size=128, page_bytes=65536, dtype="bfloat16")
@@ -111,10 +113,9 @@ def test_geometry_and_refusals() -> None:
     import numpy as np
 
     scratch = np.zeros(65536, dtype=np.uint8)
-    geometry2 = kv_geometry(_kv_cache_config(full))
     # The scheduler's lookup layout must name the same keys as the worker's engine layout.
     one_layer = kv_layout_from_tensors(caches[:1], block_size=128, page_bytes=65536, dtype="bfloat16")
-    assert geometry2.lookup_layout(scratch).fingerprint == one_layer.fingerprint
+    assert group.lookup_layout(scratch).fingerprint == one_layer.fingerprint
     with pytest.raises(ValueError, match="contiguous"):
         kv_layout_from_tensors(
             [caches[0].transpose(1, 2)], block_size=128, page_bytes=65536, dtype="bfloat16"
@@ -143,6 +144,46 @@ def test_vllm_key_format_is_vllms_own() -> None:
         )
         theirs = [PoolKey(meta, h.hex()).to_string() for h in block_hashes]
         assert ours == theirs
+
+
+def test_hybrid_groups_are_keyed_apart() -> None:
+    """A hybrid engine's groups have keys of their own, apart from a full-attention engine's; in vLLM's
+    format a group's keys are vLLM's for that group id."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import KeyMetadata, PoolKey
+
+    from aiokv.integrations.vllm.config import ConnectorConfig
+    from aiokv.integrations.vllm.geometry import EngineGeometry, KVGeometry
+    from aiokv.integrations.vllm.keys import key_namespace
+
+    vllm_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        model_config=SimpleNamespace(model="/models/tiny", get_total_num_kv_heads=lambda: 2),
+    )
+    full = KVGeometry(("l1",), block_size=128, page_bytes=65536, dtype="bfloat16", is_mla=False)
+    window = replace(full, layer_names=("l0",), sliding_window=256)
+    hybrid, plain = EngineGeometry((window, full)), EngineGeometry((full,))
+    config = ConnectorConfig.from_extra_config({})
+    prefixes = {
+        key_namespace(vllm_config, config, geometry, tp_rank=0, pp_rank=0, group=g).prefix("fp", 0)
+        for geometry, g in ((hybrid, 0), (hybrid, 1), (plain, 0))
+    }
+    assert len(prefixes) == 3 and any("hma-g0-swa256" in p for p in prefixes), prefixes
+    vllm_format = ConnectorConfig.from_extra_config({"key_format": "vllm"})
+    namespace = key_namespace(vllm_config, vllm_format, hybrid, tp_rank=0, pp_rank=0, group=1)
+    meta = KeyMetadata("tiny", tp_rank=0, pcp_rank=0, dcp_rank=0, pp_rank=0, group_id=1)
+    assert namespace.keys(["ab"], "fp", 0) == [PoolKey(meta, "ab").to_string()]
+
+
+def test_sliding_window_groups_move_only_chunks_after_their_null_blocks() -> None:
+    from aiokv.integrations.vllm.geometry import usable_from
+
+    assert usable_from([5, 6, 7, 8], 1) == 0
+    assert usable_from([0, 0, 7, 8], 1) == 2
+    assert usable_from([0, 6, 7, 8, 9], 2) == 1  # the fifth block is no whole chunk
+    assert usable_from([0, 0, 0], 1) == 3
 
 
 def test_aiokv_keys_chain_whole_chunks_of_block_hashes() -> None:

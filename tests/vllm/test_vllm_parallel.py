@@ -240,14 +240,15 @@ def test_start_up_log_says_which_engines_share_the_keys(
 
     from aiokv.integrations.vllm.config import ConnectorConfig
     from aiokv.integrations.vllm.connector import _log_key_scope
-    from aiokv.integrations.vllm.geometry import KVGeometry
+    from aiokv.integrations.vllm.geometry import EngineGeometry, KVGeometry
 
     vllm_config = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1),
         model_config=SimpleNamespace(model="/models/tiny-llama", get_total_num_kv_heads=lambda: 2),
     )
     config = ConnectorConfig.from_extra_config({"key_format": key_format, "backend": "memory"})
-    geometry = KVGeometry(("layer.0",), block_size=128, page_bytes=65536, dtype="bfloat16", is_mla=is_mla)
+    group = KVGeometry(("layer.0",), block_size=128, page_bytes=65536, dtype="bfloat16", is_mla=is_mla)
+    geometry = EngineGeometry((group,))
     with caplog.at_level(logging.INFO, logger="aiokv.vllm"):
         _log_key_scope(vllm_config, config, geometry)
     (record,) = [record for record in caplog.records if record.name == "aiokv.vllm"]

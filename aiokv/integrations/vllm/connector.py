@@ -17,12 +17,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.platforms import current_platform
 
 from .amx import allow_amx_tiles
 from .config import ConnectorConfig
-from .geometry import KVGeometry, kv_geometry
+from .geometry import EngineGeometry, kv_geometry
 from .keys import key_namespace
 from .metadata import AiokvConnectorMetadata
 from .metrics import AiokvConnectorStats, AiokvPromMetrics
@@ -47,8 +49,9 @@ def log_through_vllm() -> None:
         ours.setLevel(theirs.getEffectiveLevel())
 
 
-class AiokvConnector(KVConnectorBase_V1):
-    """Loads and stores full KV blocks through aiokv (Mooncake, or the embedded store)."""
+class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
+    """Loads and stores full KV blocks through aiokv (Mooncake, or the embedded store). With vLLM's
+    hybrid allocator, each KV cache group (full attention, sliding window) is keyed and moved apart."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -105,6 +108,11 @@ class AiokvConnector(KVConnectorBase_V1):
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request), None
 
+    def request_finished_all_groups(
+        self, request: Any, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request), None
+
     # -- worker side ----------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -129,6 +137,14 @@ class AiokvConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         return self._work().get_finished(
             finished_req_ids, idle=isinstance(meta, AiokvConnectorMetadata) and meta.idle
+        )
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()),
+            failed_recving=self._work().take_failed_loads(),
         )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -178,7 +194,7 @@ def _meta(meta: KVConnectorMetadata) -> AiokvConnectorMetadata:
     return meta
 
 
-def _log_key_scope(vllm_config: Any, config: ConnectorConfig, geometry: KVGeometry) -> None:
+def _log_key_scope(vllm_config: Any, config: ConnectorConfig, geometry: EngineGeometry) -> None:
     """Say which engines share this engine's keys: engines of other TP sizes (a prefill engine with
     TP 2, a decode engine with TP 4) simply miss each other's KV, which is otherwise silent."""
     parallel = vllm_config.parallel_config

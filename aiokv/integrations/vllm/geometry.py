@@ -15,27 +15,30 @@ import numpy as np
 
 from ...layout import KVLayout
 
-HYBRID_HINT = (
-    "AiokvConnector supports models whose KV cache is one full-attention group (it does not implement "
-    "SupportsHMA); this model has {groups}. Start the engine with disable_hybrid_kv_cache_manager=True "
-    "(--disable-hybrid-kv-cache-manager) so vLLM keeps every attention layer in one full-attention "
-    "group; models with Mamba or linear-attention layers cannot run with this connector"
-)
+NULL_BLOCK_ID = 0  # vLLM's null block: the first block of the pool, never handed out for KV
 
 
 @dataclass(frozen=True)
 class KVGeometry:
-    """One full-attention KV cache group: ``num_layers`` regions of ``num_blocks`` pages."""
+    """One KV cache group: ``num_layers`` regions of ``num_blocks`` pages. ``kind`` names what a block
+    means (``full``, ``mla``, ``swa<window>``): it goes into the keys of a hybrid engine's groups."""
 
     layer_names: tuple[str, ...]
     block_size: int
     page_bytes: int
     dtype: str
     is_mla: bool
+    sliding_window: int | None = None
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_names)
+
+    @property
+    def kind(self) -> str:
+        if self.sliding_window is not None:
+            return f"swa{self.sliding_window}"
+        return "mla" if self.is_mla else "full"
 
     def lookup_layout(self, scratch: np.ndarray) -> KVLayout:
         """A layout with this geometry over one scratch page: a lookup client's worker never moves
@@ -51,27 +54,86 @@ class KVGeometry:
         )
 
 
-def kv_geometry(kv_cache_config: Any) -> KVGeometry:
+@dataclass(frozen=True)
+class EngineGeometry:
+    """Every KV cache group of the engine, in vLLM's group order. Several groups (vLLM's hybrid
+    allocator): full-attention and sliding-window groups of one block size; each group's chunks are
+    keyed and moved apart, as that group's geometry says."""
+
+    groups: tuple[KVGeometry, ...]
+
+    @property
+    def hybrid(self) -> bool:
+        return len(self.groups) > 1
+
+    @property
+    def block_size(self) -> int:
+        return self.groups[0].block_size
+
+    @property
+    def is_mla(self) -> bool:
+        return self.groups[0].is_mla
+
+    @property
+    def max_page_bytes(self) -> int:
+        return max(group.page_bytes for group in self.groups)
+
+
+def usable_from(block_ids: Sequence[int], chunk_blocks: int) -> int:
+    """The first chunk of ``block_ids`` (whole chunks of ``chunk_blocks``) after the last chunk holding
+    a null block: a sliding-window group's blocks before the window are null, and only the chunks
+    after them can be stored or loaded."""
+    chunks = len(block_ids) // chunk_blocks
+    for chunk in range(chunks - 1, -1, -1):
+        if NULL_BLOCK_ID in block_ids[chunk * chunk_blocks : (chunk + 1) * chunk_blocks]:
+            return chunk + 1
+    return 0
+
+
+def kv_geometry(kv_cache_config: Any) -> EngineGeometry:
     """The geometry of ``kv_cache_config`` (vLLM's ``KVCacheConfig``), or ``ValueError`` saying why not."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     groups = list(kv_cache_config.kv_cache_groups)
-    if len(groups) != 1:
-        kinds = ", ".join(type(group.kv_cache_spec).__name__ for group in groups) or "none"
-        raise ValueError(HYBRID_HINT.format(groups=f"{len(groups)} KV cache groups ({kinds})"))
-    spec = groups[0].kv_cache_spec
-    # Exact types: a subclass (sliding window chunks, sinks, ...) may change what a block means.
-    if type(spec) not in (FullAttentionSpec, MLAAttentionSpec):
-        raise ValueError(HYBRID_HINT.format(groups=f"a {type(spec).__name__} group"))
-    # A FullAttentionSpec with a sliding window (hybrid manager off) still keeps every token's KV in
-    # its blocks, so its blocks are whole and safe to store and load.
-    return KVGeometry(
-        layer_names=tuple(groups[0].layer_names),
-        block_size=int(spec.block_size),
-        page_bytes=int(spec.page_size_bytes),
-        dtype=str(spec.dtype).removeprefix("torch."),
-        is_mla=type(spec) is MLAAttentionSpec,
-    )
+    if not groups:
+        raise ValueError("AiokvConnector: the engine has no KV cache group")
+    geometries = []
+    for index, group in enumerate(groups):
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            raise ValueError(
+                f"AiokvConnector: KV cache group {index} holds {type(spec).__name__} state "
+                f"(a linear-attention / Mamba model, layers {list(group.layer_names)[:2]}...): not "
+                "supported; see docs/vllm.md (hybrid models) for why"
+            )
+        # Exact types: a subclass (chunked local attention, sinks, ...) may change what a block means.
+        if type(spec) not in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec):
+            raise ValueError(
+                f"AiokvConnector: KV cache group {index} is a {type(spec).__name__} group; supported: "
+                "full attention, MLA and sliding window"
+            )
+        # A FullAttentionSpec with a sliding window (hybrid manager off) still keeps every token's KV in
+        # its blocks, so its blocks are whole and safe to store and load.
+        geometries.append(
+            KVGeometry(
+                layer_names=tuple(group.layer_names),
+                block_size=int(spec.block_size),
+                page_bytes=int(spec.page_size_bytes),
+                dtype=str(spec.dtype).removeprefix("torch."),
+                is_mla=type(spec) is MLAAttentionSpec,
+                sliding_window=int(spec.sliding_window) if type(spec) is SlidingWindowSpec else None,
+            )
+        )
+    sizes = {geometry.block_size for geometry in geometries}
+    if len(sizes) > 1:
+        # vLLM then hashes blocks at the groups' GCD; chunks would have to span the LCM.
+        raise ValueError(f"AiokvConnector: KV cache groups of different block sizes {sorted(sizes)}")
+    return EngineGeometry(tuple(geometries))
 
 
 def kv_layout_from_tensors(

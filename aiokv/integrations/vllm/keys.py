@@ -15,7 +15,7 @@ from typing import Any
 from ...keys import HashedPrompt, KeyNamespace
 from .amx import amx_tiles_supported
 from .config import ConnectorConfig
-from .geometry import KVGeometry
+from .geometry import EngineGeometry
 
 
 @dataclass(frozen=True)
@@ -23,10 +23,13 @@ class VllmKeyNamespace(KeyNamespace):
     """Keys byte-identical to vLLM's ``PoolKey`` (``RankLocalStoreLayout``, no store-TP sharding)."""
 
     cache_prefix: str = ""
+    # The engine's KV cache group, for a worker that moves one group of a hybrid engine alone.
+    group: int | None = None
 
     def prefix(self, layout_fingerprint: str, group: int) -> str:
         # vLLM's keys carry no layout fingerprint: both connectors must run the same KV layout.
         head = f"{self.cache_prefix}@" if self.cache_prefix else ""
+        group = group if self.group is None else self.group
         return f"{head}{self.model}@tp_rank:{self.tp_rank}@pcp0@dcp0@pp_rank:{self.pp_rank}@group:{group}@"
 
 
@@ -53,9 +56,19 @@ def device_tag() -> str:
 
 
 def key_namespace(
-    vllm_config: Any, config: ConnectorConfig, geometry: KVGeometry, *, tp_rank: int, pp_rank: int
+    vllm_config: Any,
+    config: ConnectorConfig,
+    geometry: EngineGeometry,
+    *,
+    tp_rank: int,
+    pp_rank: int,
+    group: int = 0,
 ) -> KeyNamespace:
-    """The namespace of this rank's keys (the scheduler's lookups use rank 0's)."""
+    """The namespace of this rank's keys of KV cache ``group`` (the scheduler's lookups use rank 0's).
+
+    A hybrid engine's groups are moved by one aiokv worker each: their namespaces name the group (and,
+    in aiokv's format, its kind), so a hybrid engine and a full-attention engine of one model never
+    exchange a chunk, and two groups of one geometry never share a key."""
     parallel = vllm_config.parallel_config
     tp_size, pp_size = int(parallel.tensor_parallel_size), int(parallel.pipeline_parallel_size)
     name = model_name(vllm_config, config)
@@ -64,13 +77,19 @@ def key_namespace(
         # As vLLM: byte-identical TP replicas share one key (MLA: every rank; GQA: tp_size / kv heads).
         replicas = tp_size if geometry.is_mla else max(1, tp_size // max(1, num_kv_heads))
         return VllmKeyNamespace(
-            name, tp_rank=tp_rank // replicas, pp_rank=pp_rank, cache_prefix=config.cache_prefix
+            name,
+            tp_rank=tp_rank // replicas,
+            pp_rank=pp_rank,
+            cache_prefix=config.cache_prefix,
+            group=group if geometry.hybrid else None,
         )
     head = f"{config.cache_prefix}@" if config.cache_prefix else ""
     # TP size is in the key: another TP size holds other shards. MLA's KV is the same on every rank.
     shards = "mla" if geometry.is_mla else f"tp{tp_size}"
+    # Single-group engines keep the keys they always had; a hybrid engine's name its group and kind.
+    kind = f"@hma-g{group}-{geometry.groups[group].kind}" if geometry.hybrid else ""
     return KeyNamespace(
-        f"{head}{name}@{device_tag()}@{shards}pp{pp_size}",
+        f"{head}{name}@{device_tag()}@{shards}pp{pp_size}{kind}",
         tp_rank=tp_rank,
         pp_rank=pp_rank,
         share_across_tp=geometry.is_mla,

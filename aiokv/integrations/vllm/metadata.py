@@ -11,14 +11,20 @@ from ...keys import HashedPrompt
 
 @dataclass(frozen=True)
 class TransferSpec:
-    """Chunks ``prompt`` of request ``req_id`` to move between the store and ``block_ids`` (one per
-    block of those chunks, in token order). ``unloaded_block_ids`` (loads only): blocks of the hit that
-    no chunk fills, reported as failed so vLLM recomputes them."""
+    """Chunks ``prompt`` of request ``req_id`` to move between the store and the engine's blocks, per KV
+    cache group ``g``: chunks ``prompt.hashes[first_chunks[g]:]`` into ``block_ids[g]`` (one per block of
+    those chunks, in token order; a sliding-window group moves only the chunks after its null blocks).
+    ``unloaded_block_ids`` (loads only, per group): blocks of the hit that no chunk fills, reported as
+    failed so vLLM recomputes them."""
 
     req_id: str
     prompt: HashedPrompt
-    block_ids: tuple[int, ...]
-    unloaded_block_ids: tuple[int, ...] = ()
+    block_ids: tuple[tuple[int, ...], ...]
+    first_chunks: tuple[int, ...]
+    unloaded_block_ids: tuple[tuple[int, ...], ...] = ()
+
+    def group_prompt(self, group: int) -> HashedPrompt:
+        return HashedPrompt(self.prompt.hashes[self.first_chunks[group] :], self.prompt.chunk_tokens)
 
 
 @dataclass

@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 
 from ...keys import HashedPrompt
-from ...threaded import ThreadedKVWorker
-from .clients import acquire_backend, at_exit, release_backend, safe_call
+from .clients import acquire_backend, at_exit, release_backend
 from .config import ConnectorConfig
-from .geometry import KVGeometry
+from .geometry import EngineGeometry, usable_from
+from .group_workers import GroupWorkers
 from .keys import hashed_prompt, key_namespace
 from .metadata import AiokvConnectorMetadata, TransferSpec
 
@@ -29,7 +29,7 @@ logger = logging.getLogger("aiokv.vllm")
 
 @dataclass
 class _Lookup:
-    future: concurrent.futures.Future[int]
+    futures: list[concurrent.futures.Future[int]]  # one per KV cache group
     prompt: HashedPrompt
     deadline: float
 
@@ -42,10 +42,11 @@ class _Hit:
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config: Any, config: ConnectorConfig, geometry: KVGeometry) -> None:
+    def __init__(self, vllm_config: Any, config: ConnectorConfig, geometry: EngineGeometry) -> None:
         import vllm.envs as envs
 
         self.config = config
+        self.geometry = geometry
         self.block_size = geometry.block_size
         self.chunk_blocks = config.chunk_blocks
         self.chunk_tokens = config.chunk_blocks * geometry.block_size
@@ -54,22 +55,34 @@ class SchedulerSide:
         self.can_store = transfer.kv_role != "kv_consumer" or config.save_decode_cache
         self.can_load = transfer.kv_role != "kv_producer" and config.enable_lookup
         in_process = not envs.VLLM_ENABLE_V1_MULTIPROCESSING
+        if geometry.hybrid and not config.load_async:
+            # vLLM 0.32 takes a multi-group model's load failures only per request, from asynchronous
+            # loads (failed_recving); a synchronous load's failure could not be reported.
+            raise ValueError(
+                "AiokvConnector: a model with several KV cache groups (hybrid allocator) needs "
+                "load_async true: vLLM recomputes a failed load of such a model only when it is asynchronous"
+            )
         if config.backend == "memory" and (not in_process or vllm_config.parallel_config.world_size > 1):
             raise ValueError(
                 "AiokvConnector backend 'memory' keeps KV inside one process: run the engine in-process "
                 "(VLLM_ENABLE_V1_MULTIPROCESSING=0) with one worker, or use backend 'mooncake'"
             )
-        self._scratch = np.zeros(geometry.page_bytes, dtype=np.uint8)
+        self._scratch = np.zeros(geometry.max_page_bytes, dtype=np.uint8)
         self._backend = acquire_backend(self.engine_id, config, pure_client=not in_process)
-        self._client: ThreadedKVWorker | None = None
+        # One lookup client per KV cache group: a hit is as long as every group can serve.
+        self._groups: GroupWorkers | None = None
         if self._backend is not None and self.can_load:
-            self._client = ThreadedKVWorker(
-                geometry.lookup_layout(self._scratch),
+            self._groups = GroupWorkers(
+                [group.lookup_layout(self._scratch) for group in geometry.groups],
                 self._backend,
-                namespace=key_namespace(vllm_config, config, geometry, tp_rank=0, pp_rank=0),
+                [
+                    key_namespace(vllm_config, config, geometry, tp_rank=0, pp_rank=0, group=index)
+                    for index in range(len(geometry.groups))
+                ],
                 chunk_tokens=self.chunk_tokens,
                 executor_threads=1,
             )
+        self._clients = self._groups.workers if self._groups is not None else []
         at_exit(self.shutdown)
         self._requests: dict[str, Any] = {}
         self._lookups: dict[str, _Lookup] = {}
@@ -88,7 +101,7 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         req_id = request.request_id
-        if self._client is None or num_computed_tokens % self.chunk_tokens or req_id in self._load_failed:
+        if not self._clients or num_computed_tokens % self.chunk_tokens or req_id in self._load_failed:
             # A local hit ending inside a chunk: loading that chunk would rewrite blocks in use. A load
             # that failed: vLLM asks again to recompute, and the same hit would fail again.
             return 0, False
@@ -112,28 +125,31 @@ class SchedulerSide:
             # (vLLM then recomputes only its last token to sample from; see _hit_tokens).
             blocks = min(len(request.block_hashes), request.num_tokens // self.block_size)
             prompt = hashed_prompt(request.block_hashes, blocks, self.config, self.block_size)
-            if not prompt.hashes or self._client is None:
+            if not prompt.hashes or not self._clients:
                 return _Hit(prompt, 0)
             try:
-                (future,) = self._client.lookup_many([prompt])
+                futures = [client.lookup_many([prompt])[0] for client in self._clients]
             except Exception as exc:
                 logger.warning("aiokv: lookup for %s refused (%s); treated as a miss", req_id, exc)
                 return _Hit(prompt, 0)
             lookup = self._lookups[req_id] = _Lookup(
-                future, prompt, time.monotonic() + self.config.lookup_timeout_s
+                futures, prompt, time.monotonic() + self.config.lookup_timeout_s
             )
             # A short wait answers most lookups at the first ask; the rest are asked again next step.
-            concurrent.futures.wait([future], timeout=self.config.lookup_wait_s)
-        if not lookup.future.done():
+            concurrent.futures.wait(futures, timeout=self.config.lookup_wait_s)
+        if not all(future.done() for future in lookup.futures):
             if time.monotonic() < lookup.deadline:
                 return None
             logger.warning("aiokv: lookup for %s did not answer in time; treated as a miss", req_id)
             del self._lookups[req_id]
-            lookup.future.cancel()
+            for future in lookup.futures:
+                future.cancel()
             return _Hit(lookup.prompt, 0)
         del self._lookups[req_id]
         try:
-            tokens = int(lookup.future.result())
+            # Every group stores every chunk it computes, so each group's leading run of chunks found
+            # is what it can serve (a sliding-window group needs only the last window of it).
+            tokens = min(int(future.result()) for future in lookup.futures)
         except Exception as exc:
             logger.warning("aiokv: lookup for %s failed (%s); treated as a miss", req_id, exc)
             tokens = 0
@@ -158,39 +174,49 @@ class SchedulerSide:
         hit = self._hits.pop(req_id, None)
         if num_external_tokens <= 0 or hit is None:
             return
-        spec = self._load_spec(req_id, hit, blocks.get_block_ids()[0], num_external_tokens)
+        spec = self._load_spec(req_id, hit, blocks.get_block_ids(), num_external_tokens)
         self._loads.append(spec)
-        self._load_blocks[req_id] = set(spec.block_ids) | set(spec.unloaded_block_ids)
+        self._load_blocks[req_id] = {b for ids in (*spec.block_ids, *spec.unloaded_block_ids) for b in ids}
         if self.config.load_async:
             self._loading.add(req_id)
         # Loaded chunks are not marked stored: if the load fails they are recomputed, and the store
         # that follows writes them again (chunks the store has are skipped by one existence check).
 
-    def _load_spec(self, req_id: str, hit: _Hit, block_ids: Any, num_external_tokens: int) -> TransferSpec:
+    def _load_spec(
+        self, req_id: str, hit: _Hit, group_block_ids: Any, num_external_tokens: int
+    ) -> TransferSpec:
         """The chunks covering tokens ``[hit.local, hit.local + num_external_tokens)``, into the blocks
-        vLLM allocated. A chunk is loaded only if every one of its blocks was allocated (a load never
-        writes a block the request was not given); the blocks of the hit left unloaded are reported
-        failed, so vLLM recomputes them instead of reading what they hold."""
+        vLLM allocated in each KV cache group. A chunk is loaded only if every one of its blocks was
+        allocated (a load never writes a block the request was not given); the blocks of the hit left
+        unloaded are reported failed, so vLLM recomputes them instead of reading what they hold. A
+        sliding-window group gets null blocks before its window: only the chunks after them load."""
         first = hit.local // self.chunk_tokens
         end_token = hit.local + num_external_tokens
         wanted = min(-(-end_token // self.chunk_tokens), len(hit.prompt.hashes))
-        last = max(first, min(wanted, len(block_ids) // self.chunk_blocks))
-        start, end = first * self.chunk_blocks, last * self.chunk_blocks
-        hit_blocks = min(-(-end_token // self.block_size), len(block_ids))
-        unloaded = tuple(int(b) for b in block_ids[end:hit_blocks])
-        if unloaded or last < wanted:
+        allocated = min(len(ids) for ids in group_block_ids) // self.chunk_blocks
+        last = max(first, min(wanted, allocated))
+        end = last * self.chunk_blocks
+        block_ids, first_chunks, unloaded = [], [], []
+        for ids in group_block_ids:
+            window = max(first, usable_from(ids[:end], self.chunk_blocks))
+            first_chunks.append(window - first)
+            block_ids.append(tuple(int(b) for b in ids[window * self.chunk_blocks : end]))
+            hit_blocks = min(-(-end_token // self.block_size), len(ids))
+            unloaded.append(tuple(int(b) for b in ids[end:hit_blocks]))
+        if any(unloaded) or last < wanted:
             logger.warning(
                 "aiokv: %s was given %d blocks for a hit of %d tokens; %d block(s) are recomputed",
                 req_id,
-                len(block_ids),
+                allocated * self.chunk_blocks,
                 end_token,
-                max(len(unloaded), 1),
+                max(sum(map(len, unloaded)), 1),
             )
         return TransferSpec(
             req_id,
             HashedPrompt(hit.prompt.hashes[first:last], self.chunk_tokens),
-            tuple(int(b) for b in block_ids[start:end]),
-            unloaded,
+            tuple(block_ids),
+            tuple(first_chunks),
+            tuple(unloaded),
         )
 
     # -- each step ------------------------------------------------------------------------------
@@ -233,22 +259,37 @@ class SchedulerSide:
                 prompt = self._prompts[req_id] = hashed_prompt(
                     request.block_hashes, blocks, self.config, self.block_size
                 )
-            block_ids = table[0][done * self.chunk_blocks : chunks * self.chunk_blocks]
-            meta.stores.append(
-                TransferSpec(
-                    req_id,
-                    HashedPrompt(prompt.hashes[done:chunks], self.chunk_tokens),
-                    tuple(int(b) for b in block_ids),
-                )
-            )
+            meta.stores.append(self._store_spec(req_id, prompt, table, done, chunks))
             self._stored_chunks[req_id] = chunks
             self._with_stores.add(req_id)
         return meta
 
+    def _store_spec(
+        self, req_id: str, prompt: HashedPrompt, table: Any, done: int, chunks: int
+    ) -> TransferSpec:
+        """Chunks ``[done, chunks)`` from each group's blocks. Every group still holds the blocks this
+        step computes (vLLM frees a sliding window's older blocks only in a later step), so the null
+        blocks skipped here are only those of chunks finished over several steps."""
+        block_ids, first_chunks = [], []
+        for ids in table:
+            window = max(done, usable_from(ids[: chunks * self.chunk_blocks], self.chunk_blocks))
+            first_chunks.append(window - done)
+            block_ids.append(
+                tuple(int(b) for b in ids[window * self.chunk_blocks : chunks * self.chunk_blocks])
+            )
+        return TransferSpec(
+            req_id,
+            HashedPrompt(prompt.hashes[done:chunks], self.chunk_tokens),
+            tuple(block_ids),
+            tuple(first_chunks),
+        )
+
     def update_connector_output(self, connector_output: Any) -> None:
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
+        # A hybrid engine's loads fail per request (block ids are not unique across groups).
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
         for req_id, blocks in list(self._load_blocks.items()):
-            if blocks & invalid:
+            if blocks & invalid or req_id in failed:
                 logger.warning("aiokv: load for %s failed; it is computed without the cache", req_id)
                 self._load_failed.add(req_id)
                 del self._load_blocks[req_id]
@@ -278,10 +319,12 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         for lookup in self._lookups.values():
-            lookup.future.cancel()
-        if self._client is not None:
-            client, self._client = self._client, None
-            safe_call("closing the lookup client", lambda: client.close(timeout=5.0))
+            for future in lookup.futures:
+                future.cancel()
+        self._clients = []
+        if self._groups is not None:
+            groups, self._groups = self._groups, None
+            groups.close()
         if self._backend is not None:
             backend, self._backend = self._backend, None
             release_backend(self.engine_id, backend)

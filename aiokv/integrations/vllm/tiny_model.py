@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["write_tiny_deepseek_mla", "write_tiny_llama"]
+__all__ = ["write_tiny_deepseek_mla", "write_tiny_llama", "write_tiny_sliding_llama"]
 
 LM_HEAD_GAIN = 4.0  # a sharper output layer: clear greedy winners that still depend on the context
 
@@ -231,3 +231,28 @@ def write_tiny_deepseek_mla(
             attention_bias=False,
         ),
     )
+
+
+def write_tiny_sliding_llama(
+    path: str | pathlib.Path,
+    *,
+    sliding_window: int = 256,
+    layer_types: tuple[str, ...] = ("sliding_attention", "full_attention"),
+    seed: int = 0,
+    **llama: int,
+) -> pathlib.Path:
+    """A random Llama whose layers are sliding-window or full attention, as ``layer_types`` says
+    (``"sliding_attention"`` / ``"full_attention"``, one per layer; Mistral- and Gemma-style hybrids).
+
+    The weights are :func:`write_tiny_llama`'s for the same arguments; only the config differs, so
+    vLLM's hybrid allocator gives each kind of layer its own KV-cache group."""
+    kinds = {"sliding_attention", "full_attention"}
+    if not layer_types or set(layer_types) - kinds:
+        raise ValueError(f"layer_types must be a non-empty sequence of {sorted(kinds)}, got {layer_types!r}")
+    _check_sizes(sliding_window=sliding_window)
+    directory = write_tiny_llama(path, num_layers=len(layer_types), seed=seed, **llama)
+    config_path = directory / "config.json"
+    config = json.loads(config_path.read_text())
+    config.update(layer_types=list(layer_types), sliding_window=sliding_window)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return directory

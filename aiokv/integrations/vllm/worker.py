@@ -23,9 +23,10 @@ from typing import Any
 
 from ...results import LoadResult
 from ...threaded import ThreadedKVWorker
-from .clients import acquire_backend, at_exit, release_backend, safe_call
+from .clients import acquire_backend, at_exit, release_backend
 from .config import ConnectorConfig
-from .geometry import KVGeometry, engine_layout
+from .geometry import EngineGeometry, engine_layout
+from .group_workers import GroupWorkers
 from .keys import key_namespace
 from .metadata import AiokvConnectorMetadata, TransferSpec
 from .stats_reporter import StatsReporter
@@ -60,34 +61,49 @@ def _wait_all(futures: list[concurrent.futures.Future[Any]], what: str) -> None:
             )
 
 
+def _add_counters(total: dict[str, Any], counters: Mapping[str, Any]) -> None:
+    """Add ``counters`` (nested dicts of numbers) into ``total``; anything else keeps its first value."""
+    for key, value in counters.items():
+        if isinstance(value, Mapping):
+            _add_counters(total.setdefault(key, {}), value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and key in total:
+            total[key] += value
+        else:
+            total.setdefault(key, value)
+
+
 class WorkerSide:
-    def __init__(self, vllm_config: Any, config: ConnectorConfig, geometry: KVGeometry) -> None:
+    def __init__(self, vllm_config: Any, config: ConnectorConfig, geometry: EngineGeometry) -> None:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         self.config = config
         self.geometry = geometry
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.tp_rank = int(get_tensor_model_parallel_rank())
-        self.namespace = key_namespace(
-            vllm_config, config, geometry, tp_rank=self.tp_rank, pp_rank=int(get_pp_group().rank_in_group)
-        )
+        pp_rank = int(get_pp_group().rank_in_group)
+        self.namespaces = [
+            key_namespace(vllm_config, config, geometry, tp_rank=self.tp_rank, pp_rank=pp_rank, group=group)
+            for group in range(len(geometry.groups))
+        ]
         # MLA: the KV is the same on every TP rank; one rank writes the shared key, all read it.
         self.writes = not (geometry.is_mla and self.tp_rank != 0)
         self.chunk_tokens = config.chunk_blocks * geometry.block_size
         self._backend: Any = None
-        self._worker: ThreadedKVWorker | None = None
+        # One aiokv worker per KV cache group: a sliding-window group moves fewer chunks than the others.
+        self._groups: GroupWorkers | None = None
         self._on_cuda = False
-        self._loads: dict[str, tuple[concurrent.futures.Future[LoadResult] | None, TransferSpec]] = {}
+        self._loads: dict[str, tuple[list[concurrent.futures.Future[LoadResult]] | None, TransferSpec]] = {}
         self._stores: defaultdict[str, list[concurrent.futures.Future[Any]]] = defaultdict(list)
         self._with_stores: set[str] = set()
         self._finishing: set[str] = set()
         self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()  # hybrid engines: loads that failed, reported per request
         # Connector-level events, for tests and logs (the worker's own counters are in stats()).
         self.events: Counter[str] = Counter()
         self._stats: StatsReporter | None = None
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
-        layout = engine_layout(kv_caches, self.geometry)
+        layouts = [engine_layout(kv_caches, group) for group in self.geometry.groups]
         first = next(iter(kv_caches.values()))
         self._on_cuda = first.device.type == "cuda"
         if self._on_cuda and self.config.backend == "memory":
@@ -96,10 +112,10 @@ class WorkerSide:
         if self._backend is None:
             return
         try:
-            self._worker = ThreadedKVWorker(
-                layout,
+            self._groups = GroupWorkers(
+                layouts,
                 self._backend,
-                namespace=self.namespace,
+                self.namespaces,
                 chunk_tokens=self.chunk_tokens,
                 executor_threads=self.config.executor_threads,
             )
@@ -108,24 +124,34 @@ class WorkerSide:
             release_backend(self.engine_id, self._backend)
             self._backend = None
             return
-        self._stats = StatsReporter(self._worker, _STATS_INTERVAL_S)
+        self._stats = StatsReporter(self._workers[0], _STATS_INTERVAL_S)
         at_exit(self.shutdown)
-        logger.info(
-            "aiokv: KV cache registered (%d layers x %d blocks of %d bytes, %d tokens per key)",
-            layout.num_regions,
-            layout.num_blocks,
-            self.geometry.page_bytes,
-            self.chunk_tokens,
-        )
+        for group, layout in zip(self.geometry.groups, layouts, strict=True):
+            logger.info(
+                "aiokv: KV cache registered (%s group: %d layers x %d blocks of %d bytes, %d tokens per key)",
+                group.kind,
+                layout.num_regions,
+                layout.num_blocks,
+                group.page_bytes,
+                self.chunk_tokens,
+            )
 
     # -- each step ------------------------------------------------------------------------------
 
     def handle_preemptions(self, meta: AiokvConnectorMetadata) -> None:
+        """Before each step's forward: wait for the stores whose blocks this forward may rewrite."""
         for req_id in meta.preempted:
             futures = self._stores.pop(req_id, [])
             if any(not future.done() for future in futures):
                 self.events["preemptions_waited"] += 1
                 _wait_all(futures, f"preempted request {req_id}")
+        if any(group.sliding_window is not None for group in self.geometry.groups):
+            # vLLM frees a sliding window's older blocks as requests advance, between steps and without
+            # telling the connector: a store of earlier steps must be done before they can be reused.
+            pending = [future for futures in self._stores.values() for future in futures if not future.done()]
+            if pending:
+                self.events["window_stores_waited"] += 1
+                _wait_all(pending, "stores of sliding-window blocks")
 
     def start_load_kv(self, meta: AiokvConnectorMetadata) -> None:
         wanted = [spec for spec in meta.loads if spec.prompt.hashes]
@@ -148,27 +174,44 @@ class WorkerSide:
         self._with_stores.update(spec.req_id for spec in meta.stores)
         if not self.writes:
             return
-        for spec, future in zip(meta.stores, self._submit("store", meta.stores), strict=True):
-            if future is None:
-                continue
-            future.add_done_callback(functools.partial(_warn_if_failed, spec.req_id))
-            self._stores[spec.req_id].append(future)
-            self.events["stores_submitted"] += 1
+        for spec, futures in zip(meta.stores, self._submit("store", meta.stores), strict=True):
+            for future in futures or ():
+                future.add_done_callback(functools.partial(_warn_if_failed, spec.req_id))
+                self._stores[spec.req_id].append(future)
+            if futures:
+                self.events["stores_submitted"] += 1
 
-    def _submit(self, kind: str, specs: list[TransferSpec]) -> list[concurrent.futures.Future[Any] | None]:
-        """All of a step's loads or stores in one call, handed to aiokv's loop without waiting for it
-        (waiting, once per request, stalled the engine's step a millisecond or more each); None for
-        each if the worker refused them all."""
-        if self._worker is None or not specs:
+    def _submit(
+        self, kind: str, specs: list[TransferSpec]
+    ) -> list[list[concurrent.futures.Future[Any]] | None]:
+        """All of a step's loads or stores in one call per KV cache group, handed to aiokv's loop without
+        waiting for it (waiting, once per request, stalled the engine's step a millisecond or more
+        each): per spec, the futures of the groups it moves chunks of; None for each if refused."""
+        if not self._workers or not specs:
             return [None] * len(specs)
-        requests = [(spec.prompt, [list(spec.block_ids)]) for spec in specs]
+        out: list[list[concurrent.futures.Future[Any]]] = [[] for _ in specs]
         try:
-            if kind == "load":
-                return list(self._worker.load_many(requests, timeout=self.config.load_timeout_s))
-            return list(self._worker.store_many(requests, timeout=self.config.store_timeout_s))
+            for group, worker in enumerate(self._workers):
+                moving = [index for index, spec in enumerate(specs) if spec.block_ids[group]]
+                requests = [(specs[i].group_prompt(group), [list(specs[i].block_ids[group])]) for i in moving]
+                if not requests:
+                    continue
+                submitted: list[concurrent.futures.Future[Any]] = list(
+                    worker.load_many(requests, timeout=self.config.load_timeout_s)
+                    if kind == "load"
+                    else worker.store_many(requests, timeout=self.config.store_timeout_s)
+                )
+                for index, future in zip(moving, submitted, strict=True):
+                    out[index].append(future)
         except Exception as exc:
             logger.warning("aiokv: %d %s(s) refused (%s)", len(specs), kind, exc)
+            if kind == "store":
+                # Futures of groups submitted before the refusal still touch the blocks: keep them.
+                return [group_futures or None for group_futures in out]
+            for group_futures in out:
+                _wait_all(group_futures, f"{kind}s refused in part")  # a load's blocks are recomputed
             return [None] * len(specs)
+        return list(out)
 
     def get_finished(
         self, finished_req_ids: set[str], *, idle: bool = False
@@ -195,7 +238,9 @@ class WorkerSide:
         interval (5 ms) takes it away, at every hand-off of a transfer between aiokv's threads, and it
         takes a core from the transport. On a step that computes nothing, wait up to ``idle_wait_s``
         for a load (or a finishing request's store) to finish; otherwise just yield the GIL."""
-        pending = [future for future, _ in self._loads.values() if future is not None and not future.done()]
+        pending = [
+            future for futures, _ in self._loads.values() for future in futures or () if not future.done()
+        ]
         if idle:
             for req_id in self._finishing:
                 pending += [future for future in self._stores.get(req_id, ()) if not future.done()]
@@ -209,29 +254,46 @@ class WorkerSide:
             time.sleep(0)
 
     def _finish_load(self, req_id: str, *, wait: bool = False) -> bool:
-        """If the load of ``req_id`` is done (waiting for it with ``wait``), record its failed blocks."""
-        future, spec = self._loads[req_id]
-        if future is not None and wait:
-            _wait_all([future], f"load of {req_id}")
-        if future is not None and not future.done():
+        """If the load of ``req_id`` is done (waiting for it with ``wait``), record what failed: blocks
+        of a single-group engine; the whole request of a hybrid one, in every group (vLLM 0.32 takes a
+        multi-group model's failures only per request, and a range loaded in one group but not in
+        another must never be used)."""
+        futures, spec = self._loads[req_id]
+        if futures is not None and wait:
+            _wait_all(futures, f"load of {req_id}")
+        if futures is not None and not all(future.done() for future in futures):
             return False
         del self._loads[req_id]
-        failed: set[int] = set(spec.block_ids)
-        if future is not None:
-            try:
-                result = future.result()
-                failed = set(result.failed_block_ids[0]) if result.failed_block_ids else set()
-            except Exception as exc:
-                logger.warning("aiokv: load for %s failed (%s); recomputing it", req_id, exc)
-        failed |= set(spec.unloaded_block_ids)
-        if failed:
-            self.events["load_error_blocks"] += len(failed)
-            self._load_errors |= failed
+        failed = [set(ids) for ids in spec.block_ids]
+        if futures is not None:
+            moving = [group for group, ids in enumerate(spec.block_ids) if ids]
+            for group, future in zip(moving, futures, strict=True):
+                try:
+                    result = future.result()
+                    failed[group] = set(result.failed_block_ids[0]) if result.failed_block_ids else set()
+                except Exception as exc:
+                    logger.warning("aiokv: load for %s failed (%s); recomputing it", req_id, exc)
+        for group, ids in enumerate(spec.unloaded_block_ids):
+            failed[group] |= set(ids)
+        count = sum(map(len, failed))
+        if not count:
+            return True
+        self.events["load_error_blocks"] += count
+        if self.geometry.hybrid:
+            self.events["load_error_requests"] += 1
+            self._failed_loads.add(req_id)
+        else:
+            self._load_errors |= failed[0]
         return True
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose load failed in some group (hybrid engines): vLLM recomputes them whole."""
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
 
     def stats_delta(self) -> dict[str, int] | None:
         """Counters since the last report, or None; never waits for aiokv's loop (see
@@ -240,10 +302,11 @@ class WorkerSide:
 
     def stats(self) -> dict[str, Any]:
         """The connector's events and the aiokv worker's counters (JSON-friendly)."""
-        out: dict[str, Any] = {"events": dict(self.events), "connected": self._worker is not None}
-        if self._worker is not None:
-            worker_stats = self._worker.stats()
-            out.update({key: value for key, value in worker_stats.items() if key != "latency"})
+        out: dict[str, Any] = {"events": dict(self.events), "connected": bool(self._workers)}
+        for worker in self._workers:  # counters summed over the groups' workers
+            worker_stats = worker.stats()
+            worker_stats.pop("latency", None)
+            _add_counters(out, worker_stats)
         return out
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -255,9 +318,13 @@ class WorkerSide:
     def shutdown(self) -> None:
         for futures in self._stores.values():
             _wait_all(futures, "shutdown")
-        if self._worker is not None:
-            worker, self._worker = self._worker, None
-            safe_call("closing the aiokv worker", lambda: worker.close(timeout=30.0))
+        if self._groups is not None:
+            groups, self._groups = self._groups, None
+            groups.close()
         if self._backend is not None:
             backend, self._backend = self._backend, None
             release_backend(self.engine_id, backend)
+
+    @property
+    def _workers(self) -> list[ThreadedKVWorker]:
+        return self._groups.workers if self._groups is not None else []

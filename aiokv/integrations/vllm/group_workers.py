@@ -1,0 +1,88 @@
+"""One aiokv worker per KV cache group of a hybrid engine, over memory registered once.
+
+vLLM's hybrid allocator lays the groups' layers over shared tensors (one pool of blocks serves every
+group), so the groups' layouts cover the same memory. Each group gets its own worker (a sliding-window
+group moves fewer chunks than a full-attention one), and the store sees one registration of their
+union: the workers' own register and unregister calls reach no further than :class:`Preregistered`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from ..._registration import merged_spans
+from ...keys import KeyNamespace
+from ...layout import KVLayout
+from ...threaded import ThreadedKVWorker
+from .clients import safe_call
+
+logger = logging.getLogger("aiokv.vllm")
+
+
+class Preregistered:
+    """``backend`` whose memory registration is done: a worker's calls are checked, not repeated."""
+
+    def __init__(self, backend: Any, spans: Sequence[tuple[int, int]]) -> None:
+        self.inner = backend
+        self._spans = list(spans)
+
+    def register_buffer(self, addr: int, size: int) -> None:
+        if not any(start <= addr and addr + size <= start + length for start, length in self._spans):
+            raise ValueError(f"[{addr:#x}, +{size}) lies outside the memory registered for the KV cache")
+
+    def unregister_buffer(self, addr: int) -> None:
+        return  # released once, by GroupWorkers.close
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+class GroupWorkers:
+    """The workers of one engine's groups (``workers[g]`` moves group ``g``), sharing one backend."""
+
+    def __init__(
+        self,
+        layouts: Sequence[KVLayout],
+        backend: Any,
+        namespaces: Sequence[KeyNamespace],
+        *,
+        chunk_tokens: int,
+        executor_threads: int,
+    ) -> None:
+        self._backend = backend
+        self._spans = merged_spans(layouts)
+        self._registered: list[int] = []
+        self.workers: list[ThreadedKVWorker] = []
+        try:
+            for addr, size in self._spans:
+                backend.register_buffer(addr, size)
+                self._registered.append(addr)
+            shared = Preregistered(backend, self._spans)
+            for layout, namespace in zip(layouts, namespaces, strict=True):
+                self.workers.append(
+                    ThreadedKVWorker(
+                        layout,
+                        shared,
+                        namespace=namespace,
+                        chunk_tokens=chunk_tokens,
+                        executor_threads=executor_threads,
+                    )
+                )
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Close every worker, then release the memory (the backend stays the caller's)."""
+        workers, self.workers = self.workers, []
+        for worker in workers:
+            safe_call("closing an aiokv worker", functools.partial(worker.close, timeout=30.0))
+        registered, self._registered = self._registered, []
+        if callable(getattr(self._backend, "unregister_buffer", None)):
+            for addr in reversed(registered):
+                safe_call(
+                    "unregistering the KV cache", functools.partial(self._backend.unregister_buffer, addr)
+                )

@@ -1,0 +1,209 @@
+"""AiokvConnector with vLLM's hybrid allocator on: a model with sliding-window and full-attention layers.
+
+A random Llama whose layer 0 attends over a 256-token window and layer 1 over everything
+(``write_tiny_sliding_llama``): vLLM gives each kind its own KV-cache group (group 0 sliding window,
+group 1 full attention, 128-token blocks). Engine A stores two prompts longer than the window, of
+unaligned lengths; engines in other processes load them (Mooncake, standalone store). Run inside a
+private network namespace.
+
+- B loads: greedy tokens equal to the run without a connector, logprobs within the tolerance a
+  control gives (vLLM's own prefix cache reusing the same blocks vs. a whole prefill); the sliding
+  window group reads only the blocks its window needs, the full-attention group every block.
+- D loads a prompt whose full-attention values are another prompt's: its tokens change.
+- E loads that prompt with every get of the sliding-window group failing: the whole hit is recomputed
+  in every group, so the wrong full-attention values it did load are never used, and outputs are right.
+- F, the same model with the hybrid allocator off (one full-attention group), finds none of A's keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aiokv.integrations.vllm.tiny_model import write_tiny_sliding_llama
+from tests.mooncake_support import registered
+from tests.vllm.support import (
+    BLOCK,
+    MOONCAKE_ENV,
+    connector,
+    generate,
+    read_key_log,
+    read_value,
+    run_engine,
+    store_world,
+    tokens,
+)
+
+pytestmark = pytest.mark.mooncake
+
+WINDOW = 256
+PROMPT = tokens(61, 2000)  # 15 full blocks and 80 tokens: 1,920 tokens can come from the store
+PROMPT_C = tokens(63, 1500)  # 11 full blocks and 92 tokens
+HIT, HIT_C = 1920, 1408
+SWA_KEYS, FULL_KEYS = "hma-g0-swa256", "hma-g1-full"
+# The suite's semantics (tests/vllm/support.py greedy_tolerance on main): twice the spread a control
+# shows on this CPU, within these bounds.
+LOGPROB_TOLERANCE_FLOOR, LOGPROB_TOLERANCE_CAP = 0.02, 0.5
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, mooncake_master: Any) -> Iterator[dict[str, Any]]:
+    with store_world(tmp_path_factory.mktemp("vllm-hybrid"), mooncake_master.address) as world:
+        world["model"] = write_tiny_sliding_llama(world["root"] / "tiny-swa", sliding_window=WINDOW)
+        yield world
+
+
+def with_connector(
+    world: dict[str, Any],
+    name: str,
+    steps: list[dict[str, Any]],
+    *,
+    backend: str = "tests.vllm.support:key_log_mooncake",
+    engine: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """An engine with the connector (one block per key), its puts and gets recorded (``run["keys"]``)."""
+    log = world["root"] / f"{name}.keys.jsonl"
+    kv = connector({"backend": backend, "mooncake_config": str(world["mooncake_config"]), "chunk_blocks": 1})
+    run = run_engine(
+        world["root"],
+        name,
+        model=world["model"],
+        engine=engine,
+        env={**MOONCAKE_ENV, "AIOKV_TEST_KEY_LOG": str(log), **(env or {})},
+        kv_transfer_config=kv,
+        steps=steps,
+    )
+    run["keys"] = read_key_log(log)
+    return run
+
+
+def keys_of(run: dict[str, Any], op: str, containing: str) -> list[str]:
+    found = [entry for entry in run["keys"] if entry["op"] == op]
+    assert all(code >= 0 for entry in found for code in entry["codes"]), found
+    return [key for entry in found for key in entry["keys"] if containing in key]
+
+
+def overwrite(backend: Any, keys: list[str], value: bytes) -> None:
+    """Replace every key's value by ``value`` (a put keeps an existing key's value: remove first)."""
+    backend.batch_remove(keys, force=True)
+    buffer = np.frombuffer(value, dtype=np.uint8).copy()
+    with registered(backend, buffer) as addr:
+        codes = backend.batch_put(keys, [[addr]] * len(keys), [[buffer.nbytes]] * len(keys))
+    assert all(code >= 0 for code in codes), codes
+
+
+@pytest.fixture(scope="module")
+def runs(world: dict[str, Any], mooncake_backend: Any) -> dict[str, Any]:
+    evict: dict[str, Any] = {"op": "evict"}
+    out: dict[str, Any] = {}
+    out["ref"] = run_engine(
+        world["root"],
+        "reference",
+        model=world["model"],
+        steps=[
+            generate("cold", [PROMPT]),
+            generate("warm", [PROMPT]),  # vLLM's own prefix cache reuses the blocks B loads
+            evict,
+            generate("cold_c", [PROMPT_C]),
+            generate("warm_c", [PROMPT_C]),
+        ],
+    )
+    stores = [generate("p", [PROMPT]), generate("c", [PROMPT_C]), {"op": "flush"}]
+    out["A"] = with_connector(world, "A", stores)
+    out["B"] = with_connector(world, "B", [generate("p", [PROMPT]), {"op": "stats"}])
+    # PROMPT_C's full-attention keys now hold one of PROMPT's blocks.
+    prompt_full = keys_of(out["B"], "get", FULL_KEYS)
+    c_full = [key for key in dict.fromkeys(keys_of(out["A"], "put", FULL_KEYS)) if key not in prompt_full]
+    size = next(entry["sizes"][0] for entry in out["A"]["keys"] if entry["op"] == "put")
+    overwrite(mooncake_backend, c_full, read_value(mooncake_backend, prompt_full[0], size))
+    out["c_full_keys"] = c_full
+    out["D"] = with_connector(world, "D", [generate("c", [PROMPT_C]), {"op": "stats"}])
+    out["E"] = with_connector(
+        world,
+        "E",
+        [generate("c", [PROMPT_C]), {"op": "stats"}],
+        backend="tests.vllm.support:failing_group_gets_mooncake",
+        env={"AIOKV_TEST_FAIL_KEYS_WITH": SWA_KEYS},
+    )
+    out["F"] = with_connector(
+        world, "F", [generate("p", [PROMPT])], engine={"disable_hybrid_kv_cache_manager": True}
+    )
+    return out
+
+
+def only(run: dict[str, Any], name: str) -> dict[str, Any]:
+    (output,) = run[name]["outputs"]
+    return output
+
+
+def logprob_spread(got: dict[str, Any], want: dict[str, Any]) -> float:
+    return max((abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True)), default=0.0)
+
+
+def tolerance(runs: dict[str, Any]) -> float:
+    """Controls: vLLM reusing its own cached blocks vs. computing the whole prompt (equal on CPUs with
+    AMX, up to ~0.06 apart with vLLM's "vec" kernels)."""
+    ref = runs["ref"]
+    spread = max(
+        logprob_spread(only(ref, "warm"), only(ref, "cold")),
+        logprob_spread(only(ref, "warm_c"), only(ref, "cold_c")),
+    )
+    return min(max(2 * spread, LOGPROB_TOLERANCE_FLOOR), LOGPROB_TOLERANCE_CAP)
+
+
+def assert_same_greedy(got: dict[str, Any], want: dict[str, Any], limit: float) -> None:
+    assert got["tokens"] == want["tokens"], (got, want)
+    assert logprob_spread(got, want) <= limit, (got["logprobs"], want["logprobs"], limit)
+
+
+def test_hybrid_engine_loads_what_another_engine_stored(runs: dict[str, Any]) -> None:
+    got = only(runs["B"], "p")
+    assert got["cached"] == HIT
+    assert_same_greedy(got, only(runs["ref"], "warm"), tolerance(runs))
+    assert got["tokens"] == only(runs["ref"], "cold")["tokens"]
+
+
+def test_each_group_stores_its_own_keys_and_the_window_loads_only_what_it_needs(runs: dict[str, Any]) -> None:
+    stored_full = set(keys_of(runs["A"], "put", FULL_KEYS))
+    stored_window = set(keys_of(runs["A"], "put", SWA_KEYS))
+    assert len(stored_full) == len(stored_window) == (HIT + HIT_C) // BLOCK
+    loaded_full, loaded_window = keys_of(runs["B"], "get", FULL_KEYS), keys_of(runs["B"], "get", SWA_KEYS)
+    assert len(set(loaded_full)) == HIT // BLOCK  # every block of the hit
+    # Only the blocks inside the window of the hit's end: vLLM hands null blocks for the others.
+    assert WINDOW // BLOCK <= len(set(loaded_window)) <= WINDOW // BLOCK + 1, loaded_window
+    assert set(loaded_window) <= stored_window and set(loaded_full) <= stored_full
+
+
+def test_other_prompts_values_change_the_outputs(runs: dict[str, Any]) -> None:
+    """Negative control: PROMPT_C's full-attention keys hold one of PROMPT's blocks; D loads them and
+    its tokens differ, so the comparisons here would catch wrong KV."""
+    got = only(runs["D"], "c")
+    assert got["cached"] == HIT_C
+    assert set(keys_of(runs["D"], "get", FULL_KEYS)) == set(runs["c_full_keys"])
+    assert got["tokens"] != only(runs["ref"], "cold_c")["tokens"]
+
+
+def test_a_failure_in_one_group_recomputes_the_range_in_every_group(runs: dict[str, Any]) -> None:
+    """E's sliding-window gets all fail; its full-attention gets succeed, loading the wrong values D
+    used. The whole hit counts failed in every group: vLLM recomputes it, and outputs are right."""
+    run = runs["E"]
+    assert set(keys_of(run, "get", FULL_KEYS)) == set(runs["c_full_keys"])  # loaded, then not used
+    assert not keys_of(run, "get", SWA_KEYS)  # every one failed (the wrapper logs served gets only)
+    assert run["stats"]["events"]["load_error_requests"] == 1
+    assert_same_greedy(only(run, "c"), only(runs["ref"], "cold_c"), tolerance(runs))
+    assert "Traceback" not in run["log"]
+
+
+def test_a_full_attention_engine_never_reads_hybrid_chunks(runs: dict[str, Any]) -> None:
+    """The same model with the hybrid allocator off has one full-attention group over both layers: its
+    keys are other keys, so it misses everything A stored (and computes the prompt right)."""
+    run = runs["F"]
+    got = only(run, "p")
+    assert got["cached"] == 0
+    puts = keys_of(run, "put", "")
+    assert puts and not any("hma-" in key for key in puts)
+    assert got["tokens"] == only(runs["ref"], "cold")["tokens"]
