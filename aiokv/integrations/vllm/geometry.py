@@ -106,10 +106,15 @@ def kv_geometry(kv_cache_config: Any) -> EngineGeometry:
     for index, group in enumerate(groups):
         spec = group.kv_cache_spec
         if isinstance(spec, MambaSpec):
+            # vLLM's "align" mode keeps a state reusable only at the boundaries it hands the connector
+            # (kv_connector_block_state.boundary_state_offloads); a block of the state group is not a
+            # block of tokens, and moving it as one would store running states under prefix keys.
             raise ValueError(
-                f"AiokvConnector: KV cache group {index} holds {type(spec).__name__} state "
-                f"(a linear-attention / Mamba model, layers {list(group.layer_names)[:2]}...): not "
-                "supported; see docs/vllm.md (hybrid models) for why"
+                f"AiokvConnector does not support linear-attention / Mamba layers (KV cache group {index}: "
+                f"{type(spec).__name__}, mamba_cache_mode={getattr(spec, 'mamba_cache_mode', None)!r}, "
+                f"layers {', '.join(list(group.layer_names)[:2])}): it does not store or load recurrent "
+                "state; run this model without it (vLLM's own prefix cache reuses such states in 'align' "
+                "mode). Supported: full attention, MLA and sliding window; see docs/vllm.md"
             )
         # Exact types: a subclass (chunked local attention, sinks, ...) may change what a block means.
         if type(spec) not in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec):

@@ -100,7 +100,7 @@ class WorkerSide:
         self._failed_loads: set[str] = set()  # hybrid engines: loads that failed, reported per request
         # Connector-level events, for tests and logs (the worker's own counters are in stats()).
         self.events: Counter[str] = Counter()
-        self._stats: StatsReporter | None = None
+        self._stats: list[StatsReporter] = []  # one per group's worker
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         layouts = [engine_layout(kv_caches, group) for group in self.geometry.groups]
@@ -124,7 +124,7 @@ class WorkerSide:
             release_backend(self.engine_id, self._backend)
             self._backend = None
             return
-        self._stats = StatsReporter(self._workers[0], _STATS_INTERVAL_S)
+        self._stats = [StatsReporter(worker, _STATS_INTERVAL_S) for worker in self._workers]
         at_exit(self.shutdown)
         for group, layout in zip(self.geometry.groups, layouts, strict=True):
             logger.info(
@@ -297,8 +297,12 @@ class WorkerSide:
 
     def stats_delta(self) -> dict[str, int] | None:
         """Counters since the last report, or None; never waits for aiokv's loop (see
-        :class:`StatsReporter`)."""
-        return self._stats.delta() if self._stats is not None else None
+        :class:`StatsReporter`), summed over the groups (a hybrid engine's request counts once per
+        group it moves)."""
+        total: dict[str, Any] = {}
+        for delta in (reporter.delta() for reporter in self._stats):
+            _add_counters(total, delta or {})
+        return total or None
 
     def stats(self) -> dict[str, Any]:
         """The connector's events and the aiokv worker's counters (JSON-friendly)."""
