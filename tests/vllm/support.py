@@ -339,6 +339,17 @@ def failing_group_gets_mooncake(config: Any, *, pure_client: bool) -> Any:
     return FailingGets(logged, os.environ["AIOKV_TEST_FAIL_KEYS_WITH"])
 
 
+def overwrite(backend: Any, keys: list[str], value: bytes) -> None:
+    """Replace every key's value by ``value`` (a put keeps an existing key's value: remove first)."""
+    backend.batch_remove(keys, force=True)
+    buffer = np.frombuffer(value, dtype=np.uint8).copy()
+    from tests.mooncake_support import registered
+
+    with registered(backend, buffer) as addr:
+        codes = backend.batch_put(keys, [[addr]] * len(keys), [[buffer.nbytes]] * len(keys))
+    assert all(code >= 0 for code in codes), codes
+
+
 def read_value(backend: Any, key: str, size: int) -> bytes:
     """The ``size``-byte value of ``key``, read with ``backend`` (a Mooncake client of the test's own)."""
     from tests.mooncake_support import registered

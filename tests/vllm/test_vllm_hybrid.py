@@ -24,16 +24,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from aiokv.integrations.vllm.tiny_model import write_tiny_sliding_llama
-from tests.mooncake_support import registered
 from tests.vllm.support import (
     BLOCK,
     MOONCAKE_ENV,
     connector,
     generate,
+    overwrite,
     read_key_log,
     read_value,
     require_vllm,
@@ -90,15 +89,6 @@ def keys_of(run: dict[str, Any], op: str, containing: str) -> list[str]:
     found = [entry for entry in run["keys"] if entry["op"] == op]
     assert all(code >= 0 for entry in found for code in entry["codes"]), found
     return [key for entry in found for key in entry["keys"] if containing in key]
-
-
-def overwrite(backend: Any, keys: list[str], value: bytes) -> None:
-    """Replace every key's value by ``value`` (a put keeps an existing key's value: remove first)."""
-    backend.batch_remove(keys, force=True)
-    buffer = np.frombuffer(value, dtype=np.uint8).copy()
-    with registered(backend, buffer) as addr:
-        codes = backend.batch_put(keys, [[addr]] * len(keys), [[buffer.nbytes]] * len(keys))
-    assert all(code >= 0 for code in codes), codes
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 
 from aiokv.integrations.vllm.tiny_model import write_tiny_deepseek_mla
-from tests.mooncake_support import registered
 from tests.vllm import support
 from tests.vllm.support import (
     MOONCAKE_ENV,
@@ -32,6 +31,7 @@ from tests.vllm.support import (
     TP2_ENGINE,
     connector,
     generate,
+    overwrite,
     read_key_log,
     read_value,
     run_engine,
@@ -121,15 +121,6 @@ def keys_of(run: dict[str, Any], op: str, tp_rank: int | None = None) -> list[st
     found = [entry for entry in run["keys"] if entry["op"] == op]
     assert all(code >= 0 for entry in found for code in entry["codes"]), found
     return [key for entry in found if tp_rank in (None, entry["tp_rank"]) for key in entry["keys"]]
-
-
-def overwrite(backend: Any, keys: list[str], value: bytes) -> None:
-    """Replace every key's value by ``value`` (a put keeps an existing key's value: remove first)."""
-    backend.batch_remove(keys, force=True)
-    buffer = np.frombuffer(value, dtype=np.uint8).copy()
-    with registered(backend, buffer) as addr:
-        codes = backend.batch_put(keys, [[addr]] * len(keys), [[buffer.nbytes]] * len(keys))
-    assert all(code >= 0 for code in codes), codes
 
 
 @pytest.fixture(scope="module")
