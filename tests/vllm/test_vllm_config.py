@@ -186,6 +186,18 @@ def test_sliding_window_groups_move_only_chunks_after_their_null_blocks() -> Non
     assert usable_from([0, 0, 0], 1) == 3
 
 
+def test_a_sliding_window_group_reads_the_window_before_the_hit() -> None:
+    from aiokv.integrations.vllm.geometry import KVGeometry
+
+    window = KVGeometry(
+        ("l0",), block_size=128, page_bytes=1, dtype="bfloat16", is_mla=False, sliding_window=256
+    )
+    assert [window.window_first_chunk(end, 128) for end in (0, 1, 2, 3, 15)] == [0, 0, 0, 1, 13]
+    assert window.window_first_chunk(8, 256) == 7  # tokens 1,792..2,048: the last 256-token chunk
+    full = KVGeometry(("l1",), block_size=128, page_bytes=1, dtype="bfloat16", is_mla=False)
+    assert full.window_first_chunk(15, 128) == 0
+
+
 def test_aiokv_keys_chain_whole_chunks_of_block_hashes() -> None:
     from aiokv.integrations.vllm.config import ConnectorConfig
     from aiokv.integrations.vllm.keys import hashed_prompt

@@ -39,6 +39,7 @@ from tests.vllm.support import (
     run_engine,
     store_world,
     tokens,
+    vllm_mooncake_connector,
 )
 
 pytestmark = pytest.mark.mooncake
@@ -47,6 +48,7 @@ WINDOW = 256
 PROMPT = tokens(61, 2000)  # 15 full blocks and 80 tokens: 1,920 tokens can come from the store
 PROMPT_C = tokens(63, 1500)  # 11 full blocks and 92 tokens
 HIT, HIT_C = 1920, 1408
+INTEROP_D, INTEROP_E = tokens(66, 1300), tokens(67, 1300)  # 10 full blocks: 1,280 tokens
 SWA_KEYS, FULL_KEYS = "hma-g0-swa256", "hma-g1-full"
 # The suite's semantics (tests/vllm/support.py greedy_tolerance on main): twice the spread a control
 # shows on this CPU, within these bounds.
@@ -92,21 +94,33 @@ def keys_of(run: dict[str, Any], op: str, containing: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs(world: dict[str, Any], mooncake_backend: Any) -> dict[str, Any]:
+def reference(world: dict[str, Any]) -> dict[str, Any]:
+    """Every prompt without a connector: "cold" computed whole, "warm" with vLLM's own prefix cache
+    reusing the blocks the connector loads."""
     evict: dict[str, Any] = {"op": "evict"}
-    out: dict[str, Any] = {}
-    out["ref"] = run_engine(
+    return run_engine(
         world["root"],
         "reference",
         model=world["model"],
         steps=[
             generate("cold", [PROMPT]),
-            generate("warm", [PROMPT]),  # vLLM's own prefix cache reuses the blocks B loads
+            generate("warm", [PROMPT]),
             evict,
             generate("cold_c", [PROMPT_C]),
             generate("warm_c", [PROMPT_C]),
+            evict,
+            generate("cold_d", [INTEROP_D]),
+            generate("warm_d", [INTEROP_D]),
+            evict,
+            generate("cold_e", [INTEROP_E]),
+            generate("warm_e", [INTEROP_E]),
         ],
     )
+
+
+@pytest.fixture(scope="module")
+def runs(world: dict[str, Any], reference: dict[str, Any], mooncake_backend: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"ref": reference}
     stores = [generate("p", [PROMPT]), generate("c", [PROMPT_C]), {"op": "flush"}]
     out["A"] = with_connector(world, "A", stores)
     out["B"] = with_connector(world, "B", [generate("p", [PROMPT]), {"op": "stats"}])
@@ -139,14 +153,10 @@ def logprob_spread(got: dict[str, Any], want: dict[str, Any]) -> float:
     return max((abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True)), default=0.0)
 
 
-def tolerance(runs: dict[str, Any]) -> float:
+def tolerance(ref: dict[str, Any]) -> float:
     """Controls: vLLM reusing its own cached blocks vs. computing the whole prompt (equal on CPUs with
     AMX, up to ~0.06 apart with vLLM's "vec" kernels)."""
-    ref = runs["ref"]
-    spread = max(
-        logprob_spread(only(ref, "warm"), only(ref, "cold")),
-        logprob_spread(only(ref, "warm_c"), only(ref, "cold_c")),
-    )
+    spread = max(logprob_spread(only(ref, f"warm{p}"), only(ref, f"cold{p}")) for p in ("", "_c", "_d", "_e"))
     return min(max(2 * spread, LOGPROB_TOLERANCE_FLOOR), LOGPROB_TOLERANCE_CAP)
 
 
@@ -158,7 +168,7 @@ def assert_same_greedy(got: dict[str, Any], want: dict[str, Any], limit: float) 
 def test_hybrid_engine_loads_what_another_engine_stored(runs: dict[str, Any]) -> None:
     got = only(runs["B"], "p")
     assert got["cached"] == HIT
-    assert_same_greedy(got, only(runs["ref"], "warm"), tolerance(runs))
+    assert_same_greedy(got, only(runs["ref"], "warm"), tolerance(runs["ref"]))
     assert got["tokens"] == only(runs["ref"], "cold")["tokens"]
 
 
@@ -189,7 +199,7 @@ def test_a_failure_in_one_group_recomputes_the_range_in_every_group(runs: dict[s
     assert set(keys_of(run, "get", FULL_KEYS)) == set(runs["c_full_keys"])  # loaded, then not used
     assert not keys_of(run, "get", SWA_KEYS)  # every one failed (the wrapper logs served gets only)
     assert run["stats"]["events"]["load_error_requests"] == 1
-    assert_same_greedy(only(run, "c"), only(runs["ref"], "cold_c"), tolerance(runs))
+    assert_same_greedy(only(run, "c"), only(runs["ref"], "cold_c"), tolerance(runs["ref"]))
 
 
 def test_a_full_attention_engine_never_reads_hybrid_chunks(runs: dict[str, Any]) -> None:
@@ -201,6 +211,58 @@ def test_a_full_attention_engine_never_reads_hybrid_chunks(runs: dict[str, Any])
     puts = keys_of(run, "put", "")
     assert puts and not any("hma-" in key for key in puts)
     assert got["tokens"] == only(runs["ref"], "cold")["tokens"]
+
+
+def test_interop_with_vllms_mooncake_store_connector(
+    world: dict[str, Any], reference: dict[str, Any]
+) -> None:
+    """key_format "vllm" on the hybrid model: vLLM's connector stores D, aiokv loads it and stores E,
+    vLLM's loads E; every group's keys are vLLM's (``@group:G@``)."""
+    vllm_env = {**MOONCAKE_ENV, "MOONCAKE_CONFIG_PATH": str(world["mooncake_config"])}
+    full = 1300 // BLOCK * BLOCK
+    run_engine(
+        world["root"],
+        "vllm_stores",
+        model=world["model"],
+        env=vllm_env,
+        kv_transfer_config=vllm_mooncake_connector(),
+        steps=[generate("d", [INTEROP_D], logprobs=False), {"op": "sleep", "seconds": 4}],
+    )
+    log = world["root"] / "aiokv_vllm_format.keys.jsonl"
+    ours = run_engine(
+        world["root"],
+        "aiokv_vllm_format",
+        model=world["model"],
+        env={**MOONCAKE_ENV, "AIOKV_TEST_KEY_LOG": str(log)},
+        kv_transfer_config=connector(
+            {
+                "backend": "tests.vllm.support:key_log_mooncake",
+                "mooncake_config": str(world["mooncake_config"]),
+                "key_format": "vllm",
+            }
+        ),
+        steps=[generate("d", [INTEROP_D]), generate("e", [INTEROP_E]), {"op": "flush"}],
+    )
+    ours["keys"] = read_key_log(log)
+    got = only(ours, "d")
+    assert got["cached"] == full
+    limit = tolerance(reference)
+    assert_same_greedy(got, only(reference, "warm_d"), limit)
+    assert got["tokens"] == only(reference, "cold_d")["tokens"]
+    loaded = keys_of(ours, "get", "@group:")
+    assert {key.split("@group:")[1][0] for key in loaded} == {"0", "1"}, loaded
+    theirs = run_engine(
+        world["root"],
+        "vllm_loads",
+        model=world["model"],
+        env=vllm_env,
+        kv_transfer_config=vllm_mooncake_connector(),
+        steps=[generate("e", [INTEROP_E])],
+    )
+    got = only(theirs, "e")
+    assert got["cached"] == full
+    assert_same_greedy(got, only(reference, "warm_e"), limit)
+    assert got["tokens"] == only(reference, "cold_e")["tokens"]
 
 
 # A 2-layer Qwen3-Next (gated delta net beside full attention): vLLM 0.32's CPU build runs it, with its

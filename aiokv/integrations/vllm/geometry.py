@@ -40,6 +40,13 @@ class KVGeometry:
             return f"swa{self.sliding_window}"
         return "mla" if self.is_mla else "full"
 
+    def window_first_chunk(self, end: int, chunk_tokens: int) -> int:
+        """The first chunk a sliding-window group reads when the tokens before chunk ``end`` are
+        cached: the window before the first computed token (every chunk, without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, (end * chunk_tokens - self.sliding_window) // chunk_tokens)
+
     def lookup_layout(self, scratch: np.ndarray) -> KVLayout:
         """A layout with this geometry over one scratch page: a lookup client's worker never moves
         bytes, but its keys need the engine layout's fingerprint (which ignores addresses)."""

@@ -32,6 +32,11 @@ class _Lookup:
     futures: list[concurrent.futures.Future[int]]  # one per KV cache group
     prompt: HashedPrompt
     deadline: float
+    # Second round, for sliding-window groups whose leading run is shorter than the other groups':
+    # do they hold the window before the hit's end (all the engine reads)? Per group, its chunks
+    # found from the window's first chunk.
+    window: dict[int, tuple[int, concurrent.futures.Future[int]]] | None = None
+    end: int = 0  # the hit (in chunks) the second round checks
 
 
 @dataclass
@@ -137,25 +142,58 @@ class SchedulerSide:
             )
             # A short wait answers most lookups at the first ask; the rest are asked again next step.
             concurrent.futures.wait(futures, timeout=self.config.lookup_wait_s)
-        if not all(future.done() for future in lookup.futures):
+        pending = [*lookup.futures, *(future for _, future in (lookup.window or {}).values())]
+        if not all(future.done() for future in pending):
             if time.monotonic() < lookup.deadline:
                 return None
             logger.warning("aiokv: lookup for %s did not answer in time; treated as a miss", req_id)
             del self._lookups[req_id]
-            for future in lookup.futures:
+            for future in pending:
                 future.cancel()
             return _Hit(lookup.prompt, 0)
-        del self._lookups[req_id]
         try:
-            # Every group stores every chunk it computes, so each group's leading run of chunks found
-            # is what it can serve (a sliding-window group needs only the last window of it).
-            tokens = min(int(future.result()) for future in lookup.futures)
+            if lookup.window is None and self._ask_windows(lookup):
+                return None
+            chunks = self._found_chunks(lookup)
         except Exception as exc:
             logger.warning("aiokv: lookup for %s failed (%s); treated as a miss", req_id, exc)
-            tokens = 0
-        chunks = tokens // self.chunk_tokens
+            chunks = 0
+        del self._lookups[req_id]
+        tokens = chunks * self.chunk_tokens
         found = HashedPrompt(lookup.prompt.hashes[:chunks], self.chunk_tokens)
         return _Hit(found, self._hit_tokens(request, tokens))
+
+    def _ask_windows(self, lookup: _Lookup) -> bool:
+        """After the first round: ask the sliding-window groups whose leading run ends before the other
+        groups' for the window before that end (vLLM's own connector stores only such windows).
+        True if a second round was asked."""
+        found = [int(future.result()) // self.chunk_tokens for future in lookup.futures]
+        groups = self.geometry.groups
+        others = [n for n, group in zip(found, groups, strict=True) if group.sliding_window is None]
+        lookup.end = end = min(others, default=len(lookup.prompt.hashes))
+        short = [g for g, group in enumerate(groups) if group.sliding_window is not None and found[g] < end]
+        if not short or not end:
+            return False
+        lookup.window = {}
+        for g in short:
+            first = groups[g].window_first_chunk(end, self.chunk_tokens)
+            window = HashedPrompt(lookup.prompt.hashes[first:end], self.chunk_tokens)
+            lookup.window[g] = (first, self._clients[g].lookup_many([window])[0])
+        concurrent.futures.wait(
+            [future for _, future in lookup.window.values()], timeout=self.config.lookup_wait_s
+        )
+        return True
+
+    def _found_chunks(self, lookup: _Lookup) -> int:
+        """The leading chunks every group can serve: the other groups' run if each sliding-window group
+        holds its window before the run's end, else the shortest leading run of any group."""
+        leading = min(int(future.result()) for future in lookup.futures) // self.chunk_tokens
+        if lookup.window is None:
+            return leading
+        for first, future in lookup.window.values():
+            if int(future.result()) // self.chunk_tokens < lookup.end - first:
+                return leading
+        return lookup.end
 
     def _hit_tokens(self, request: Any, found: int) -> int:
         """The hit to tell vLLM for ``found`` leading tokens in the store. vLLM must compute at least
