@@ -77,6 +77,20 @@ def vllm_mooncake_connector() -> dict[str, Any]:
     }
 
 
+def run_vllm_connector_engine(
+    world: dict[str, Any], name: str, steps: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """An engine of ``world["model"]`` with vLLM's own MooncakeStoreConnector on the world's store."""
+    return run_engine(
+        world["root"],
+        name,
+        model=world["model"],
+        env={**MOONCAKE_ENV, "MOONCAKE_CONFIG_PATH": str(world["mooncake_config"])},
+        kv_transfer_config=vllm_mooncake_connector(),
+        steps=steps,
+    )
+
+
 def standalone_config(path: Path, master_address: str) -> Path:
     """A Mooncake JSON as vLLM users write it: engines are pure clients of a holder's segment."""
     path.write_text(

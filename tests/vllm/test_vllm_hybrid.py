@@ -37,9 +37,9 @@ from tests.vllm.support import (
     read_value,
     require_vllm,
     run_engine,
+    run_vllm_connector_engine,
     store_world,
     tokens,
-    vllm_mooncake_connector,
 )
 
 pytestmark = pytest.mark.mooncake
@@ -49,6 +49,8 @@ PROMPT = tokens(61, 2000)  # 15 full blocks and 80 tokens: 1,920 tokens can come
 PROMPT_C = tokens(63, 1500)  # 11 full blocks and 92 tokens
 HIT, HIT_C = 1920, 1408
 INTEROP_D, INTEROP_E = tokens(66, 1300), tokens(67, 1300)  # 10 full blocks: 1,280 tokens
+SHARED_PREFIX = 1536  # 12 of PROMPT's blocks, shared by three concurrent requests
+SHARED = [PROMPT[:SHARED_PREFIX] + tokens(70 + i, 300 + 37 * i) for i in range(3)]
 SWA_KEYS, FULL_KEYS = "hma-g0-swa256", "hma-g1-full"
 # The suite's semantics (tests/vllm/support.py greedy_tolerance on main): twice the spread a control
 # shows on this CPU, within these bounds.
@@ -114,6 +116,11 @@ def reference(world: dict[str, Any]) -> dict[str, Any]:
             evict,
             generate("cold_e", [INTEROP_E]),
             generate("warm_e", [INTEROP_E]),
+            evict,
+            generate("cold_shared", SHARED),
+            evict,
+            generate("prefix", [PROMPT[: SHARED_PREFIX + 1]]),  # caches the shared 12 blocks
+            generate("warm_shared", SHARED),
         ],
     )
 
@@ -149,8 +156,16 @@ def only(run: dict[str, Any], name: str) -> dict[str, Any]:
     return output
 
 
+def first_difference(got: dict[str, Any], want: dict[str, Any]) -> int:
+    pairs = list(zip(got["tokens"], want["tokens"], strict=True))
+    return next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
+
+
 def logprob_spread(got: dict[str, Any], want: dict[str, Any]) -> float:
-    return max((abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True)), default=0.0)
+    """The largest logprob difference over the positions with equal tokens so far."""
+    same = first_difference(got, want)
+    pairs = zip(got["logprobs"][:same], want["logprobs"][:same], strict=True)
+    return max((abs(a - b) for a, b in pairs), default=0.0)
 
 
 def tolerance(ref: dict[str, Any]) -> float:
@@ -161,8 +176,16 @@ def tolerance(ref: dict[str, Any]) -> float:
 
 
 def assert_same_greedy(got: dict[str, Any], want: dict[str, Any], limit: float) -> None:
-    assert got["tokens"] == want["tokens"], (got, want)
+    """Greedy tokens equal and their logprobs within ``limit``, up to the end or up to a near-tie: a
+    position where the two runs chose different tokens whose logprobs are within ``limit`` (the CPU's
+    numerics alone may pick either; after it the contexts differ). A simpler form of the suite's
+    ``assert_same_greedy`` on main, which also checks that the two tokens are each other's runner-up
+    (this branch's engine job does not record runner-ups)."""
+    same = first_difference(got, want)
     assert logprob_spread(got, want) <= limit, (got["logprobs"], want["logprobs"], limit)
+    if same < len(got["tokens"]):
+        gap = abs(got["logprobs"][same] - want["logprobs"][same])
+        assert gap <= limit, f"tokens differ from position {same}, not a near-tie: {got} vs {want}"
 
 
 def test_hybrid_engine_loads_what_another_engine_stored(runs: dict[str, Any]) -> None:
@@ -199,6 +222,7 @@ def test_a_failure_in_one_group_recomputes_the_range_in_every_group(runs: dict[s
     assert set(keys_of(run, "get", FULL_KEYS)) == set(runs["c_full_keys"])  # loaded, then not used
     assert not keys_of(run, "get", SWA_KEYS)  # every one failed (the wrapper logs served gets only)
     assert run["stats"]["events"]["load_error_requests"] == 1
+    assert only(run, "c")["tokens"] == only(runs["ref"], "cold_c")["tokens"]
     assert_same_greedy(only(run, "c"), only(runs["ref"], "cold_c"), tolerance(runs["ref"]))
 
 
@@ -213,20 +237,33 @@ def test_a_full_attention_engine_never_reads_hybrid_chunks(runs: dict[str, Any])
     assert got["tokens"] == only(runs["ref"], "cold")["tokens"]
 
 
+def test_concurrent_requests_sharing_a_stored_prefix(runs: dict[str, Any], world: dict[str, Any]) -> None:
+    """Three requests sharing 1,536 of A's tokens arrive together at a fresh engine: each gets the
+    shared blocks (from the store, or from the one that loaded them first), with the right outputs."""
+    run = with_connector(world, "G", [generate("shared", SHARED), {"op": "stats"}])
+    limit = tolerance(runs["ref"])
+    for got, cold, warm in zip(
+        run["shared"]["outputs"],
+        runs["ref"]["cold_shared"]["outputs"],
+        runs["ref"]["warm_shared"]["outputs"],
+        strict=True,
+    ):
+        assert got["cached"] == SHARED_PREFIX
+        assert got["tokens"] == cold["tokens"]
+        assert_same_greedy(got, warm, limit)
+    assert set(keys_of(run, "get", FULL_KEYS)) <= set(keys_of(runs["A"], "put", FULL_KEYS))
+    assert len(set(keys_of(run, "get", FULL_KEYS))) == SHARED_PREFIX // BLOCK
+    assert run["stats"]["events"].get("load_error_blocks", 0) == 0
+
+
 def test_interop_with_vllms_mooncake_store_connector(
     world: dict[str, Any], reference: dict[str, Any]
 ) -> None:
     """key_format "vllm" on the hybrid model: vLLM's connector stores D, aiokv loads it and stores E,
     vLLM's loads E; every group's keys are vLLM's (``@group:G@``)."""
-    vllm_env = {**MOONCAKE_ENV, "MOONCAKE_CONFIG_PATH": str(world["mooncake_config"])}
     full = 1300 // BLOCK * BLOCK
-    run_engine(
-        world["root"],
-        "vllm_stores",
-        model=world["model"],
-        env=vllm_env,
-        kv_transfer_config=vllm_mooncake_connector(),
-        steps=[generate("d", [INTEROP_D], logprobs=False), {"op": "sleep", "seconds": 4}],
+    run_vllm_connector_engine(
+        world, "vllm_stores", [generate("d", [INTEROP_D], logprobs=False), {"op": "sleep", "seconds": 4}]
     )
     log = world["root"] / "aiokv_vllm_format.keys.jsonl"
     ours = run_engine(
@@ -251,14 +288,7 @@ def test_interop_with_vllms_mooncake_store_connector(
     assert got["tokens"] == only(reference, "cold_d")["tokens"]
     loaded = keys_of(ours, "get", "@group:")
     assert {key.split("@group:")[1][0] for key in loaded} == {"0", "1"}, loaded
-    theirs = run_engine(
-        world["root"],
-        "vllm_loads",
-        model=world["model"],
-        env=vllm_env,
-        kv_transfer_config=vllm_mooncake_connector(),
-        steps=[generate("e", [INTEROP_E])],
-    )
+    theirs = run_vllm_connector_engine(world, "vllm_loads", [generate("e", [INTEROP_E])])
     got = only(theirs, "e")
     assert got["cached"] == full
     assert_same_greedy(got, only(reference, "warm_e"), limit)

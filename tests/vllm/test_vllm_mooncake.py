@@ -21,10 +21,10 @@ from tests.vllm.support import (
     connector,
     generate,
     run_engine,
+    run_vllm_connector_engine,
     same_outputs,
     store_world,
     tokens,
-    vllm_mooncake_connector,
 )
 
 pytestmark = pytest.mark.mooncake
@@ -190,15 +190,9 @@ def test_interop_with_vllms_mooncake_store_connector(
 ) -> None:
     """key_format "vllm": vLLM's connector stores D, aiokv loads it and stores E, vLLM's loads E
     (the aiokv engine in vLLM's default multiprocess mode)."""
-    vllm_env = {**MOONCAKE_ENV, "MOONCAKE_CONFIG_PATH": str(world["mooncake_config"])}
     full = (1300 - 1) // BLOCK * BLOCK
-    run_engine(
-        world["root"],
-        "vllm_stores",
-        model=world["model"],
-        env=vllm_env,
-        kv_transfer_config=vllm_mooncake_connector(),
-        steps=[generate("d", [INTEROP_D], logprobs=False), {"op": "sleep", "seconds": 4}],
+    run_vllm_connector_engine(
+        world, "vllm_stores", [generate("d", [INTEROP_D], logprobs=False), {"op": "sleep", "seconds": 4}]
     )
     # vLLM's default multiprocess engine: scheduler, worker and front end in three processes.
     ours = run_engine(
@@ -212,14 +206,7 @@ def test_interop_with_vllms_mooncake_store_connector(
     got = only(ours, "d")
     assert got["cached"] == full
     assert matches(got, reference, "d", INTEROP_D)
-    theirs = run_engine(
-        world["root"],
-        "vllm_loads",
-        model=world["model"],
-        env=vllm_env,
-        kv_transfer_config=vllm_mooncake_connector(),
-        steps=[generate("e", [INTEROP_E])],
-    )
+    theirs = run_vllm_connector_engine(world, "vllm_loads", [generate("e", [INTEROP_E])])
     got = only(theirs, "e")
     assert got["cached"] == full
     assert matches(got, reference, "e", INTEROP_E)
