@@ -64,6 +64,8 @@ def logged(world: dict[str, Any], engine: str) -> tuple[dict[str, Any], dict[str
         {
             "backend": "tests.vllm.support:key_log_mooncake",
             "mooncake_config": str(world["mooncake_config"]),
+            # Keys of several blocks (the default is one per block): what this module counts and sizes.
+            "chunk_blocks": 4,
         }
     )
     return kv, {**MOONCAKE_ENV, "AIOKV_TEST_KEY_LOG": str(world["root"] / f"{engine}.keys.jsonl")}

@@ -75,7 +75,7 @@ class ConnectorConfig:
     backend: str = "mooncake"
     mooncake_config: Mapping[str, Any] | str | None = None
     key_format: str = "aiokv"
-    chunk_blocks: int = 4
+    chunk_blocks: int = 1
     load_async: bool = True
     enable_lookup: bool = True
     save_decode_cache: bool = False
@@ -114,7 +114,7 @@ class ConnectorConfig:
             raise ValueError(
                 f"kv_connector_extra_config['key_format'] must be one of {KEY_FORMATS}, got {key_format!r}"
             )
-        chunk_blocks = _positive(extra, "chunk_blocks", 1 if key_format == "vllm" else 4, integer=True)
+        chunk_blocks = _positive(extra, "chunk_blocks", 1, integer=True)
         if key_format == "vllm" and chunk_blocks != 1:
             raise ValueError(
                 "key_format 'vllm' stores one key per block (as vLLM's MooncakeStoreConnector does): "
