@@ -61,8 +61,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--prompt-tokens",
-        default="4096,8192",
-        help="long prompt sizes, comma-separated (default 4096,8192)",
+        default="2000,6000,7777",
+        help="long prompt sizes, comma-separated (default 2000,6000,7777: lengths users send, not multiples "
+        "of a block or chunk, so a connector that stores only whole chunks shows its lost hit tokens)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="loads of each long prompt (default 3)")
     parser.add_argument(
@@ -84,8 +85,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--probe-steps", type=int, default=48, help="decode steps of the probe request")
     parser.add_argument("--prefixes", type=int, default=2, help="shared prefixes in the mixed workload")
     parser.add_argument("--per-prefix", type=int, default=4, help="concurrent requests per prefix")
-    parser.add_argument("--prefix-tokens", type=int, default=2048, help="tokens per shared prefix")
-    parser.add_argument("--suffix-tokens", type=int, default=256, help="own tokens per mixed request")
+    parser.add_argument("--prefix-tokens", type=int, default=1999, help="tokens per shared prefix (1999)")
+    parser.add_argument("--suffix-tokens", type=int, default=301, help="own tokens per mixed request (301)")
     parser.add_argument("--layers", type=int, default=MODEL_SHAPE["num_layers"], help="model layers (16)")
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (default 2)")
     parser.add_argument(
