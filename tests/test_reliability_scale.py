@@ -38,10 +38,10 @@ from aiokv.backends.base import (
     check_backend,
     keys_per_call,
 )
-from aiokv.bench import cli as bench_cli
 from aiokv.errors import BackendError, InvalidRequestError
 from aiokv.keys import HashedPrompt
 from aiokv.testing import FaultInjectingBackend, FaultRule, GroupCache, same_blocks
+from benchmarks import cli as bench_cli
 
 from .helpers import wait_until
 from .rig import SAFETY_S

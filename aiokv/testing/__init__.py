@@ -62,6 +62,10 @@ Ops are named alike everywhere (rules, records, :meth:`~FaultInjectingBackend.bl
 
 :class:`PagedCache` / :class:`GroupCache` are a toy engine KV cache (NumPy regions of blocks with their
 :class:`~aiokv.KVLayout`); :func:`chunk_value` and :func:`same_blocks` check the bytes a worker moved.
+
+Imported on demand (they need more than aiokv does): :mod:`aiokv.testing.tiny_model` writes small,
+seeded random-weight checkpoints (a Llama, a DeepSeek-style MLA model) for vLLM engines, and
+:mod:`aiokv.testing.cluster` builds a Mooncake cluster in network namespaces.
 """
 
 from __future__ import annotations
