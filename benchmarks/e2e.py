@@ -31,12 +31,12 @@ from typing import Any
 
 import numpy as np
 
+from aiokv import KVWorker
 from aiokv._arrays import IntArray
 from aiokv.backends.base import Backend
 from aiokv.keys import HashedPrompt, KeyNamespace, chunk_hashes
 from aiokv.layout import KVLayout
 from aiokv.testing.paged_cache import GroupCache, same_blocks
-from aiokv.worker import KVWorker
 
 from .geometry import Geometry
 from .gil import mooncake_gil_breakdown

@@ -22,12 +22,12 @@ from typing import Any
 
 import numpy as np
 
+from aiokv import KVWorker
 from aiokv._arrays import IntArray
 from aiokv.backends.base import Backend
 from aiokv.keys import HashedPrompt, KeyNamespace
 from aiokv.layout import KVLayout
 from aiokv.testing import Call, FaultInjectingBackend
-from aiokv.worker import KVWorker
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:

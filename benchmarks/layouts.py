@@ -35,9 +35,9 @@ from typing import Any, NamedTuple, TextIO
 
 import numpy as np
 
+from aiokv import DEFAULT_REGIONS_PER_CALL, KVWorker
 from aiokv.keys import KeyNamespace, chunk_hashes
 from aiokv.runner import run
-from aiokv.worker import DEFAULT_REGIONS_PER_CALL, KVWorker
 
 from .layout_caches import KINDS, VOCAB, LayoutCache, Scenario, chunk_token_table, pairs_per_request
 from .layouts_gil import ConversionProbe, gil_per_request, request_keys

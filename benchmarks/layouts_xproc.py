@@ -32,10 +32,10 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from aiokv import KVWorker
 from aiokv._arrays import IntArray
 from aiokv.keys import KeyNamespace, chunk_hashes
 from aiokv.runner import run
-from aiokv.worker import KVWorker
 
 from .layout_caches import LayoutCache
 from .report import suite_main

@@ -21,10 +21,10 @@ from typing import Any
 
 import numpy as np
 
+from aiokv import KVWorker
 from aiokv.backends.base import Regions
 from aiokv.keys import HashedPrompt, KeyNamespace, chunk_hashes
 from aiokv.layout import KVLayout
-from aiokv.worker import KVWorker
 
 from .reference import writeup_prepare_values
 

@@ -43,12 +43,12 @@ from typing import Any, TextIO
 
 import numpy as np
 
+from aiokv import KVWorker
 from aiokv._arrays import IntArray
 from aiokv.backends.base import keys_per_call
 from aiokv.backends.memory import MemoryBackend
 from aiokv.keys import HashedPrompt, KeyNamespace
 from aiokv.testing.paged_cache import GroupCache
-from aiokv.worker import KVWorker
 
 from .loop_lag import tick
 from .report import suite_main, table

@@ -80,7 +80,7 @@ def main() -> None:
 
     import numpy as np
 
-    from aiokv.backends.mooncake_master import MooncakeMaster, segment_holder
+    from aiokv import MooncakeMaster, segment_holder
     from aiokv.testing.tiny_model import write_tiny_llama
 
     with tempfile.TemporaryDirectory() as tmp, MooncakeMaster() as master:

@@ -25,9 +25,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiokv import KVWorker, MemoryBackend
+from aiokv._engine.call_split import REQUESTS_PER_CALL, call_pieces
 from aiokv._engine.lanes import EXISTS_PIECE_KEYS
 from aiokv._engine.pipeline import INLINE_LOOKUP_CHUNKS
-from aiokv._engine.regions import REQUESTS_PER_CALL, call_pieces
 from aiokv._engine.request import Request
 from aiokv._engine.slices import LoopSlices
 from aiokv.backends.base import (

@@ -6,16 +6,15 @@ Like httpx's ``MockTransport``, this ships with aiokv so that aiokv's own tests 
 
     import threading
 
-    from aiokv import KVWorker, MemoryBackend
-    from aiokv.backends.base import NOT_FOUND, TRANSFER_FAILED
+    from aiokv import Code, KVWorker, MemoryBackend
     from aiokv.testing import FaultInjectingBackend, FaultRule
 
     release = threading.Event()
     backend = FaultInjectingBackend(
         MemoryBackend(),
         rules=[
-            FaultRule(op="put", per_key=True, probability=0.1, code=TRANSFER_FAILED),  # ~10% of keys
-            FaultRule(op="get", keys=lambda key: key.endswith(bad_hash), code=NOT_FOUND),
+            FaultRule(op="put", per_key=True, probability=0.1, code=Code.TRANSFER_FAILED),  # ~10% of keys
+            FaultRule(op="get", keys=lambda key: key.endswith(bad_hash), code=Code.NOT_FOUND),
             FaultRule(op="exists", times=1, exception=ConnectionError),  # the first exists raises
             FaultRule(op="put", hang=release),  # puts block until release.set() (30 s at most)
         ],
