@@ -41,6 +41,7 @@ from aiokv.runner import run
 
 from .layout_caches import KINDS, VOCAB, LayoutCache, Scenario, chunk_token_table, pairs_per_request
 from .layouts_gil import ConversionProbe, gil_per_request, request_keys
+from .layouts_xproc import XScenario, print_xproc_report, run_xproc_benchmark
 from .loop_lag import measure_loop_lag
 from .report import finish_suite
 
@@ -311,8 +312,6 @@ def main(argv: list[str] | None = None) -> int:
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
-
-    from .layouts_xproc import XScenario, print_xproc_report, run_xproc_benchmark
 
     def report() -> dict[str, Any]:
         result = run_layouts_benchmark(s, backend=args.backend, master=args.master, progress=progress)
