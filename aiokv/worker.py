@@ -38,7 +38,7 @@ from ._validate import (
     check_tokens,
     default_chunk_tokens,
 )
-from .backends.base import DEFAULT_REGIONS_PER_CALL, Backend, backend_traits, check_backend
+from .backends.base import Backend, backend_traits, check_backend
 from .breaker import BreakerConfig, CircuitBreaker
 from .errors import AiokvError, WorkerClosedError
 from .futures import TransferFuture
@@ -49,7 +49,7 @@ from .stats import Kind, StatName, WorkerStats
 
 logger = logging.getLogger("aiokv")
 
-__all__ = ["DEFAULT_REGIONS_PER_CALL", "BlockIds", "KVWorker", "WorkerState"]
+__all__ = ["KVWorker"]  # the names it imports are public from ``aiokv`` itself
 
 
 class KVWorker:
@@ -181,8 +181,9 @@ class KVWorker:
         return self._state is WorkerState.CLOSED
 
     @property
-    def _active(self) -> set[Request]:  # submitted and not done (for tests waiting for the worker to idle)
-        return self._tracker.active
+    def requests_in_flight(self) -> int:
+        """Requests submitted whose futures are not settled yet (0: the worker is idle)."""
+        return len(self._tracker.active)
 
     # -- lifecycle ------------------------------------------------------------------------------
 

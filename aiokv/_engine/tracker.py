@@ -20,7 +20,7 @@ Invariants (stated here once; nothing else writes these fields or settles a futu
    pipeline then sees it ``finished`` and skips it, and :meth:`begin_call` refuses it, so none of its
    calls that has not started ever starts.
 5. A refusal by the circuit breaker (:meth:`refuse`, or :meth:`fail` with a
-   :class:`~aiokv.errors.CircuitOpenError`) is an answer, not an error: a QUEUED request is settled at
+   :class:`~aiokv.errors._CircuitOpenError`) is an answer, not an error: a QUEUED request is settled at
    once (lookups 0; stores and loads a result whose undecided chunks failed ``UNAVAILABLE``), a
    TRANSFERRING one remembers it (``refused``) and is answered so when its calls have returned.
 """
@@ -34,7 +34,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from ..codes import Code
-from ..errors import CircuitOpenError, TransferTimeoutError
+from ..errors import TransferTimeoutError, _CircuitOpenError
 from ..stats import Kind, WorkerStats
 from .request import Request, State
 from .summary import load_result, lookup_length, store_result
@@ -95,7 +95,7 @@ class RequestTracker:
         error for :meth:`settle` (the first one wins)."""
         if request.finished:
             return
-        if isinstance(error, CircuitOpenError) or isinstance(error.__cause__, CircuitOpenError):
+        if isinstance(error, _CircuitOpenError) or isinstance(error.__cause__, _CircuitOpenError):
             self.refuse(request)
             return
         if request.state is State.TRANSFERRING or request.transfer_planned:

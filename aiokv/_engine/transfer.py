@@ -19,10 +19,10 @@ from .admission import Admission, admit
 from .answers import answer_codes, batch_error
 from .backoff import PressureBackoff
 from .batch_keys import Cycle
+from .call_split import Call, GroupRows, split_calls
 from .config import EngineConfig
 from .lanes import Admitted, Lane, Lanes
 from .plan import Rows
-from .regions import Call, GroupRows, split_calls
 from .replicas import RetryingGet, monotonic_deadline, replica_reader
 from .slices import LoopSlice
 from .tracker import RequestTracker

@@ -20,14 +20,6 @@ from typing import Final, Protocol, Self, runtime_checkable
 from ..codes import Code, code_name
 from ._regions import Regions, RegionTable, RegisteredMemory, check_keys
 
-# The status codes backends answer, as plain ints (their names: aiokv.codes.Code).
-OK: Final = int(Code.OK)
-NO_SPACE: Final = int(Code.NO_SPACE)  # store full (Mooncake NO_AVAILABLE_HANDLE)
-INVALID: Final = int(Code.INVALID)  # bad argument, or a region outside registered memory
-NOT_FOUND: Final = int(Code.NOT_FOUND)  # key absent (Mooncake OBJECT_NOT_FOUND)
-TRANSFER_FAILED: Final = int(Code.TRANSFER_FAILED)  # size mismatch or transfer error (Mooncake TRANSFER_FAIL)
-UNAVAILABLE: Final = int(Code.UNAVAILABLE)  # store unreachable (Mooncake RPC_FAIL)
-
 # A binding converting this many (address, size) pairs holds the GIL ~1.5 ms (Mooncake, measured).
 DEFAULT_REGIONS_PER_CALL: Final = 16384
 # The most keys one call carries, whatever its pairs: a backend's per-key Python work holds the GIL for
@@ -44,13 +36,7 @@ __all__ = [
     "DEFAULT_REGIONS_PER_CALL",
     "MAX_KEYS_PER_CALL",
     "MIN_SPLIT_BYTES",
-    "INVALID",
-    "NOT_FOUND",
-    "NO_SPACE",
-    "OK",
     "REQUIRED_METHODS",
-    "TRANSFER_FAILED",
-    "UNAVAILABLE",
     "Backend",
     "BackendTraits",
     "Code",

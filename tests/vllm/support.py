@@ -373,9 +373,9 @@ class FailingGets:
         self.inner = inner
 
     def batch_get(self, keys: Any, addrs: Any, sizes: Any) -> list[int]:
-        from aiokv.backends.base import TRANSFER_FAILED
+        from aiokv import Code
 
-        return [TRANSFER_FAILED] * len(keys)
+        return [Code.TRANSFER_FAILED] * len(keys)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

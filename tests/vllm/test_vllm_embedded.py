@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from aiokv.integrations.vllm.tiny_model import write_tiny_llama
+from aiokv.testing.tiny_model import write_tiny_llama
 from tests.vllm.support import BLOCK, connector, generate, require_vllm, run_engine, same_outputs, tokens
 
 PROMPT = tokens(40, 2100)  # 16 full blocks

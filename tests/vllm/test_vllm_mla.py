@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiokv.integrations.vllm.tiny_model import write_tiny_deepseek_mla
+from aiokv.testing.tiny_model import write_tiny_deepseek_mla
 from tests.mooncake_support import registered
 from tests.vllm import support
 from tests.vllm.support import (
