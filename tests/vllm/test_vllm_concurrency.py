@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from aiokv.integrations.vllm.tiny_model import write_tiny_llama
+from aiokv.testing.tiny_model import write_tiny_llama
 from tests.vllm.support import (
     BLOCK,
     MOONCAKE_ENV,
