@@ -92,8 +92,10 @@ class WorkerSide:
         layout = engine_layout(kv_caches, self.geometry)
         first = next(iter(kv_caches.values()))
         self._on_cuda = first.device.type == "cuda"
-        if self._on_cuda and self.config.backend == "memory":
-            raise ValueError("AiokvConnector backend 'memory' needs the KV cache in host memory")
+        if self._on_cuda and self.config.host_tier:
+            raise ValueError(
+                f"AiokvConnector backend {self.config.backend!r} needs the KV cache in host memory"
+            )
         if self.config.remote:
             self._backend = acquire_backend(self.engine_id, self.config, pure_client=False)
         if self._backend is None and not self.config.host_tier:
