@@ -120,7 +120,7 @@ class World:
 
     def __init__(self, capacity_chunks: int, ranks: int = 2) -> None:
         self.scheduler = SchedulerTier(
-            capacity_chunks * CHUNK_BYTES * ranks, ranks, REGIONS * BLOCK_LEN, BLOCK_SIZE, behind=False
+            capacity_chunks * CHUNK_BYTES, ranks, REGIONS * BLOCK_LEN, BLOCK_SIZE, behind=False
         )
         self.ranks = []
         for rank in range(ranks):
@@ -306,3 +306,56 @@ def test_a_removed_value_keeps_its_space_while_a_get_reads_it(monkeypatch: pytes
     assert np.array_equal(target, source[:PAGE])  # the get read a's bytes, not c's or d's
     assert backend.batch_put(["d"], [[overwrite.ctypes.data + PAGE]], [[PAGE]]) == [0]  # freed after the get
     backend.close()
+
+
+def test_a_tier_in_front_of_a_store_reads_local_first_and_promotes() -> None:
+    """A tier of 4 chunks per rank in front of a store holding a 6-chunk prompt (both real: the store
+    behind is a MemoryBackend of its own, as Mooncake would be): the first load reads every chunk from
+    behind and promotes the 4 the scheduler admitted; the second reads those 4 from the tier and the
+    rest from behind; every byte is the chunk's."""
+    from aiokv.integrations.vllm.stats_reporter import connector_counters
+    from aiokv.threaded import ThreadedKVWorker
+
+    world = World(capacity_chunks=4, ranks=1)
+    world.scheduler.behind = True
+    rank = world.ranks[0]
+    behind_store = MemoryBackend(1 << 20)
+    behind = ThreadedKVWorker(
+        rank.cache.layout, behind_store, namespace=KeyNamespace("m"), chunk_tokens=CHUNK_TOKENS
+    )
+    rank.tier.behind = behind
+    try:
+        prompt = prompt_of("b", 6)
+        blocks = list(range(1, 13))
+        world.write_blocks(prompt, blocks)
+        assert behind.store(prompt, [blocks]).result(10).stored == 6  # written by another engine
+        target = list(range(20, 32))
+        for round_no in range(2):
+            (answer,) = world.scheduler.lookup_client(behind).lookup_many([prompt])
+            assert answer.result(10) == 6 * CHUNK_TOKENS  # the tier's chunks, then the store's
+            results = [f.result(10) for f in world.load(f"r{round_no}", prompt, target)]
+            assert world.check_loaded(prompt, target, results) == 0
+            world.report([f"r{round_no}"])
+        stats = rank.tier.stats()
+        assert stats["host_tier"]["promotions"] == 4 and stats["host_tier"]["hits"] == 4
+        assert stats["chunks"]["loaded"] == 6 + 2  # the store behind's counters: both rounds' misses
+        counters = connector_counters(stats)
+        assert counters["host_tier_hits"] == 4 and counters["host_tier_promotions"] == 4
+        assert counters["chunks_loaded"] == 8
+    finally:
+        world.close()  # closes the worker behind too
+        behind_store.close()
+
+
+def test_the_tier_backends_and_their_capacity_are_checked() -> None:
+    from aiokv.integrations.vllm.config import ConnectorConfig
+    from aiokv.integrations.vllm.host_tier import tier_capacity_per_rank
+
+    tiered = ConnectorConfig.from_extra_config({"backend": "tiered", "memory_capacity": "2GiB"})
+    assert tiered.host_tier and tiered.remote
+    memory = ConnectorConfig.from_extra_config({"backend": "memory"})
+    assert memory.host_tier and not memory.remote
+    assert not ConnectorConfig.from_extra_config({}).host_tier
+    assert tier_capacity_per_rank(tiered, 2) == 1 << 30  # the engine's whole tier, split over its ranks
+    with pytest.raises(ValueError, match="memory_capacity"):
+        ConnectorConfig.from_extra_config({"backend": "memory", "memory_capacity": 0})

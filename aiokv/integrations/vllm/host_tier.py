@@ -248,12 +248,13 @@ def _offset(inner: concurrent.futures.Future[int], tokens: int) -> concurrent.fu
 
 class SchedulerTier:
     """The scheduler side's use of the index: lookups, pins for loads, admissions for stores and
-    promotions, the workers' reports. ``block_bytes``: one block of every layer on one rank."""
+    promotions, the workers' reports. ``rank_capacity_bytes``: each rank's tier; ``block_bytes``: one
+    block of every layer on one rank."""
 
     def __init__(
-        self, capacity_bytes: int, ranks: int, block_bytes: int, block_size: int, *, behind: bool
+        self, rank_capacity_bytes: int, ranks: int, block_bytes: int, block_size: int, *, behind: bool
     ) -> None:
-        self.index = TierIndex(capacity_bytes // ranks, ranks)
+        self.index = TierIndex(rank_capacity_bytes, ranks)
         self.block_bytes = block_bytes
         self.block_size = block_size
         self.behind = behind  # a store behind the tier: chunks loaded from it are promoted
@@ -314,7 +315,7 @@ def scheduler_tier(vllm_config: Any, config: Any, geometry: Any) -> SchedulerTie
         return None
     ranks = int(vllm_config.parallel_config.world_size)
     return SchedulerTier(
-        tier_capacity_per_rank(config, ranks) * ranks,
+        tier_capacity_per_rank(config, ranks),
         ranks,
         geometry.page_bytes * geometry.num_layers,
         geometry.block_size,
