@@ -2,13 +2,14 @@
 the same hit from Mooncake, in one run (``backend: "tiered"``, docs/vllm.md#the-host-memory-tier).
 
 A fresh Mooncake master and a holder process mounting the store's segment (so a Mooncake load crosses
-processes over TCP, as in ``bench vllm``). Engine A (tiered) stores the prompts (into its tier and
-Mooncake). Engine B (tiered, a fresh process: its tier starts empty) takes each prompt with vLLM's
-prefix cache cleared: the first time it hits Mooncake (and promotes the blocks into its tier), the
-second time its tier. Engine C (``backend: "mooncake"``, no tier) hits each prompt from Mooncake once:
-the Mooncake hit without the promotion's copy. The first prompt warms the paths up and is not counted. Both
-engines are in-process engines (``aiokv.bench.vllm_engine``), so a request's CPU seconds cover the
-engine and aiokv's threads. Greedy tokens must equal engine A's computed ones. Run inside a private
+processes over TCP, as in ``bench vllm``). Engine A (tiered) computes and stores the prompts (into its
+tier and Mooncake). Then engines B (tiered, its tier empty) and C (``backend: "mooncake"``, no tier)
+run side by side, each prompt's hits back to back, with vLLM's prefix cache cleared before each: B
+hits Mooncake (and promotes the blocks into its tier) then its tier; C hits Mooncake (the same hit
+without the promotion's copy), before B on every other prompt. So a burst of load on a shared machine
+hits all three alike. The first prompt warms the paths up and is not counted. Every engine is an
+in-process engine (``aiokv.bench.vllm_engine``), so a request's CPU seconds cover the engine and
+aiokv's threads. Greedy tokens must equal engine A's computed ones. Run inside a private
 network namespace (Mooncake listens on every interface):
 ``unshare -rn sh -c 'ip link set lo up && exec python -m aiokv.bench.vllm_tier'``.
 """
@@ -36,136 +37,168 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompts", type=int, default=6, help="distinct prompts, each hit once per tier")
     parser.add_argument("--chunk-blocks", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--engine", nargs=2, metavar=("SPEC", "RESULT"), help=argparse.SUPPRESS)
+    parser.add_argument("--engine", metavar="SPEC", help=argparse.SUPPRESS)
     return parser
 
 
-def _engine(spec_path: str, result_path: str) -> None:
-    """One engine (its own process): ``spec["role"]`` "store" or "load"."""
+def _engine(spec_path: str) -> None:
+    """One engine (its own process), driven by its parent: a JSON command per stdin line (``hit`` a
+    prompt with vLLM's prefix cache cleared, ``stats``, ``quit``), each answered by one stdout line
+    starting with ``@@`` (vLLM's own log lines go to stdout too)."""
     from ..integrations.vllm.amx import allow_amx_tiles
     from .vllm_engine import EngineDriver, build_llm
 
     allow_amx_tiles()
     spec = json.loads(Path(spec_path).read_text())
     driver = EngineDriver(build_llm(spec))
-    warmup = {"name": "warmup", "ids": list(range(3, 3 + 3 * BLOCK_SIZE)), "max_tokens": 1}
-    driver.run([warmup])
-    hits: list[dict[str, Any]] = []
-    for n, ids in enumerate(spec["prompts"]):
-        prompt = {"name": f"p{n}", "ids": ids, "max_tokens": 1}
-        # The tier holds a prompt only once a Mooncake hit promoted it: that order is fixed.
-        sources = {"store": ["store"], "load": ["mooncake", "tier"], "plain": ["plain-mooncake"]}[
-            spec["role"]
-        ]
-        for source in sources:
-            driver.clear_prefix_cache()
-            record = driver.run([prompt])
-            (request,) = record.requests
-            hits.append(
-                {
-                    "prompt": n,
-                    "source": source,
-                    "ttft_s": (request.first_token or record.outputs_done) - request.added,
-                    "cpu_s": record.cpu_seconds,
-                    "cached_tokens": request.cached_tokens,
-                    "tokens": request.tokens,
-                }
-            )
-    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    driver.run([{"name": "warmup", "ids": list(range(3, 3 + 3 * BLOCK_SIZE)), "max_tokens": 1}])
+    print("@@{}", flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        answer: dict[str, Any] = {}
+        if command["op"] == "quit":
+            break
+        if command["op"] == "stats":
+            from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    stats = get_kv_transfer_group().stats()  # type: ignore[attr-defined]  # AiokvConnector's
-    Path(result_path).write_text(json.dumps({"hits": hits, "stats": stats}))
+            answer = get_kv_transfer_group().stats()  # type: ignore[attr-defined]  # AiokvConnector's
+        else:
+            n = command["prompt"]
+            driver.clear_prefix_cache()
+            record = driver.run([{"name": f"p{n}", "ids": spec["prompts"][n], "max_tokens": 1}])
+            (request,) = record.requests
+            answer = {
+                "prompt": n,
+                "source": command["source"],
+                "ttft_s": (request.first_token or record.outputs_done) - request.added,
+                "cpu_s": record.cpu_seconds,
+                "cached_tokens": request.cached_tokens,
+                "tokens": request.tokens,
+            }
+        print("@@" + json.dumps(answer), flush=True)
+
+
+class _Engine:
+    """A running engine process (:func:`_engine`); its other output goes to ``log``."""
+
+    def __init__(self, spec_path: Path, env: dict[str, str], log: Path) -> None:
+        self._log = log.open("w")
+        command = [sys.executable, "-m", "aiokv.bench.vllm_tier", "--engine", str(spec_path)]
+        self._process = subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        if self._process.stdin is None or self._process.stdout is None:
+            raise RuntimeError("the engine process has no pipes")
+        self._stdin, self._stdout = self._process.stdin, self._process.stdout
+        self._answer()  # ready
+
+    def _answer(self) -> dict[str, Any]:
+        for line in self._stdout:
+            if line.startswith("@@"):
+                answer: dict[str, Any] = json.loads(line[2:])
+                return answer
+            self._log.write(line)
+        self._log.close()
+        raise SystemExit(f"an engine exited {self._process.wait()}: see {self._log.name}")
+
+    def ask(self, **command: Any) -> dict[str, Any]:
+        self._stdin.write(json.dumps(command) + "\n")
+        self._stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        self._stdin.write(json.dumps({"op": "quit"}) + "\n")
+        self._stdin.close()
+        self._process.wait(timeout=120)
+        self._log.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.engine:
-        _engine(*args.engine)
+        _engine(args.engine)
         return 0
     import random
 
     from ..integrations.vllm.tiny_model import write_tiny_llama
 
     rng = random.Random(args.seed)
-    prompts = [
-        [rng.randrange(3, MODEL_SHAPE["vocab_size"]) for _ in range(args.tokens)] for _ in range(args.prompts)
-    ]
-    block_bytes = (
-        2 * MODEL_SHAPE["num_layers"] * MODEL_SHAPE["num_kv_heads"] * MODEL_SHAPE["head_dim"] * 2 * BLOCK_SIZE
-    )
+    vocab = MODEL_SHAPE["vocab_size"]
+    prompts = [[rng.randrange(3, vocab) for _ in range(args.tokens)] for _ in range(args.prompts)]
+    layers, heads, head_dim = MODEL_SHAPE["num_layers"], MODEL_SHAPE["num_kv_heads"], MODEL_SHAPE["head_dim"]
+    block_bytes = 2 * layers * heads * head_dim * 2 * BLOCK_SIZE  # K and V, bf16
     stored = block_bytes * (args.tokens // BLOCK_SIZE) * args.prompts
-    with (
-        tempfile.TemporaryDirectory(prefix="aiokv-bench-tier-") as tmp,
-        mooncake_store(max(512 << 20, 2 * stored)) as address,
-    ):
+    segment = max(512 << 20, 2 * stored)
+    with tempfile.TemporaryDirectory(prefix="aiokv-bench-tier-") as tmp, mooncake_store(segment) as address:
         workdir = Path(tmp)
         model = write_tiny_llama(workdir / "model", **MODEL_SHAPE, seed=args.seed)
-        config_path = workdir / "mooncake.json"
-        config_path.write_text(
-            json.dumps(
-                {
-                    "metadata_server": "P2PHANDSHAKE",
-                    "master_server_address": address,
-                    "protocol": "tcp",
-                    "device_name": "",
-                    "mode": "standalone-store",
-                    "global_segment_size": 0,
-                    "local_buffer_size": "64MB",
-                }
-            )
-        )
+        store_config = {
+            "metadata_server": "P2PHANDSHAKE",
+            "master_server_address": address,
+            "protocol": "tcp",
+            "device_name": "",
+            "mode": "standalone-store",
+            "global_segment_size": 0,
+            "local_buffer_size": "64MB",
+        }
         tiered = {
             "backend": "tiered",
             "memory_capacity": stored + (64 << 20),
             "chunk_blocks": args.chunk_blocks,
         }
-        results = {}
-        for role in ("store", "load", "plain"):
-            extra = tiered if role != "plain" else {"chunk_blocks": args.chunk_blocks}  # Mooncake alone
+        plain = {"chunk_blocks": args.chunk_blocks}  # Mooncake alone
+
+        def start(role: str, extra: dict[str, Any]) -> _Engine:
             spec = {
-                "role": role,
                 "model": str(model),
                 "max_model_len": args.tokens + 64,
                 "prompts": prompts,
-                "kv_transfer_config": kv_transfer_config("aiokv", json.loads(config_path.read_text()), extra),
+                "kv_transfer_config": kv_transfer_config("aiokv", store_config, extra),
             }
-            spec_path, result_path = workdir / f"{role}.spec.json", workdir / f"{role}.result.json"
+            spec_path = workdir / f"{role}.spec.json"
             spec_path.write_text(json.dumps(spec))
-            env = engine_env(config_path, 2)
-            started = time.perf_counter()
-            with (workdir / f"{role}.log").open("wb") as log:
-                code = subprocess.run(
-                    [
-                        sys.executable,
-                        "-m",
-                        "aiokv.bench.vllm_tier",
-                        "--engine",
-                        str(spec_path),
-                        str(result_path),
-                    ],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    check=False,
-                ).returncode
-            if code != 0:
-                sys.stderr.write((workdir / f"{role}.log").read_text()[-4000:])
-                raise SystemExit(f"engine {role} exited {code}")
-            results[role] = json.loads(result_path.read_text())
-            print(f"{role}: {time.perf_counter() - started:.0f} s", file=sys.stderr)
-    print(json.dumps(summarize(results, args), indent=2))
+            return _Engine(spec_path, engine_env(None, 2), workdir / f"{role}.log")
+
+        started = time.perf_counter()
+        storing = start("store", tiered)
+        computed = [storing.ask(op="hit", prompt=n, source="store")["tokens"] for n in range(args.prompts)]
+        storing.close()
+        print(f"stored: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+        tier_engine, plain_engine = start("tiered", tiered), start("plain", plain)
+        hits = []
+        for n in range(args.prompts):
+            # Each prompt's three hits run back to back (the tiered engine's Mooncake hit first: it is
+            # what puts the prompt into its tier), the engine without a tier first on every other one.
+            tiered_hits = [("mooncake", tier_engine), ("tier", tier_engine)]
+            order = (
+                [("plain-mooncake", plain_engine), *tiered_hits]
+                if n % 2
+                else [*tiered_hits, ("plain-mooncake", plain_engine)]
+            )
+            hits += [engine.ask(op="hit", prompt=n, source=source) for source, engine in order]
+        stats = tier_engine.ask(op="stats")
+        tier_engine.close()
+        plain_engine.close()
+        print(f"hit: {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    print(json.dumps(summarize(computed, hits, stats, args), indent=2))
     return 0
 
 
-def summarize(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    computed = {hit["prompt"]: hit["tokens"] for hit in results["store"]["hits"]}
+def summarize(
+    computed: list[list[int]], hits: list[dict[str, Any]], stats: dict[str, Any], args: argparse.Namespace
+) -> dict[str, Any]:
     by_source: dict[str, list[dict[str, Any]]] = {"mooncake": [], "tier": [], "plain-mooncake": []}
-    for hit in results["load"]["hits"] + results["plain"]["hits"]:
+    for hit in hits:
         if hit["tokens"] != computed[hit["prompt"]]:
             raise SystemExit(
                 f"prompt {hit['prompt']} from {hit['source']}: tokens differ from the computed ones"
             )
-        if hit["prompt"] > 0:  # the first prompt warms both paths up
+        if hit["prompt"] > 0:  # the first prompt warms the paths up
             by_source[hit["source"]].append(hit)
     out: dict[str, Any] = {"tokens": args.tokens, "prompts": args.prompts, "chunk_blocks": args.chunk_blocks}
     for source, hits in by_source.items():
@@ -181,8 +214,8 @@ def summarize(results: dict[str, Any], args: argparse.Namespace) -> dict[str, An
     plain = out["plain-mooncake"]
     out["ttft_ratio_tier_over_plain_mooncake"] = out["tier"]["ttft_s_median"] / plain["ttft_s_median"]
     out["cpu_ratio_tier_over_plain_mooncake"] = out["tier"]["cpu_s_median"] / plain["cpu_s_median"]
-    out["host_tier"] = results["load"]["stats"].get("host_tier")
-    out["store_chunks_loaded"] = results["load"]["stats"].get("chunks", {}).get("loaded")
+    out["host_tier"] = stats.get("host_tier")
+    out["store_chunks_loaded"] = stats.get("chunks", {}).get("loaded")
     return out
 
 
