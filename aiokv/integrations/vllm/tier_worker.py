@@ -229,6 +229,13 @@ class TierWorker:
         outer: concurrent.futures.Future[LoadResult] = concurrent.futures.Future()
 
         def promote(done: concurrent.futures.Future[LoadResult]) -> None:
+            try:
+                write_back(done)
+            except Exception:  # the load must still be reported, whatever went wrong here
+                logger.exception("aiokv: host tier: promoting %d chunk(s) failed", len(admitted))
+                _copy_outcome(done, outer)
+
+        def write_back(done: concurrent.futures.Future[LoadResult]) -> None:
             failed_blocks: set[int] = set(blocks)
             if not done.cancelled() and done.exception() is None:
                 result = done.result()
@@ -312,6 +319,8 @@ class TierWorker:
 
 
 def _copy_outcome(source: concurrent.futures.Future[T], target: concurrent.futures.Future[T]) -> None:
+    if target.done():
+        return
     if source.cancelled():
         target.set_exception(concurrent.futures.CancelledError())
     elif (exc := source.exception()) is not None:
