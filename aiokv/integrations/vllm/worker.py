@@ -100,8 +100,8 @@ class WorkerSide:
             self._backend = acquire_backend(self.engine_id, self.config, pure_client=False)
         if self._backend is None and not self.config.host_tier:
             return
+        store_worker: ThreadedKVWorker | None = None
         try:
-            store_worker = None
             if self._backend is not None:
                 store_worker = ThreadedKVWorker(
                     layout,
@@ -116,6 +116,9 @@ class WorkerSide:
                 self.writes = True  # every rank holds its own tier, whoever writes to the store behind
         except Exception as exc:
             logger.error("aiokv: cannot register the KV cache with the store (%s); running without it", exc)
+            if store_worker is not None:  # the tier failed: nothing may use the store's worker either
+                safe_call("closing the aiokv worker", lambda: store_worker.close(timeout=30.0))
+            self._worker = None
             if self._backend is not None:
                 release_backend(self.engine_id, self._backend)
             self._backend = None
