@@ -18,7 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -223,19 +223,29 @@ class TierLookup:
             self.remote.close(timeout)
 
 
+def copy_outcome(
+    source: concurrent.futures.Future[Any],
+    target: concurrent.futures.Future[Any],
+    transform: Callable[[Any], Any] = lambda result: result,
+) -> None:
+    """Settle ``target`` as ``source`` settled (its result through ``transform``), unless it is done."""
+    if target.done():
+        return
+    if source.cancelled():
+        target.set_exception(concurrent.futures.CancelledError())
+    elif (exc := source.exception()) is not None:
+        target.set_exception(exc)
+    else:
+        target.set_result(transform(source.result()))
+
+
 def _offset(inner: concurrent.futures.Future[int], tokens: int) -> concurrent.futures.Future[int]:
     """A future answering ``inner``'s tokens plus ``tokens``; cancelling it cancels ``inner``."""
     outer: concurrent.futures.Future[int] = concurrent.futures.Future()
 
     def settle(done: concurrent.futures.Future[int]) -> None:
-        if outer.done() or not outer.set_running_or_notify_cancel():
-            return
-        if done.cancelled():
-            outer.set_exception(concurrent.futures.CancelledError())
-        elif (exc := done.exception()) is not None:
-            outer.set_exception(exc)
-        else:
-            outer.set_result(tokens + done.result())
+        if not outer.done() and outer.set_running_or_notify_cancel():
+            copy_outcome(done, outer, lambda found: tokens + found)
 
     def cancelled(_: concurrent.futures.Future[int]) -> None:
         if outer.cancelled():

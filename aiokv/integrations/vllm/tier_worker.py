@@ -29,7 +29,7 @@ from ...keys import HashedPrompt, KeyNamespace
 from ...layout import KVLayout
 from ...results import LoadResult, StoreResult
 from ...threaded import ThreadedKVWorker
-from .host_tier import TierReport, TierStep, tier_capacity_per_rank
+from .host_tier import TierReport, TierStep, copy_outcome, tier_capacity_per_rank
 
 logger = logging.getLogger("aiokv.vllm")
 
@@ -233,7 +233,7 @@ class TierWorker:
                 write_back(done)
             except Exception:  # the load must still be reported, whatever went wrong here
                 logger.exception("aiokv: host tier: promoting %d chunk(s) failed", len(admitted))
-                _copy_outcome(done, outer)
+                copy_outcome(done, outer)
 
         def write_back(done: concurrent.futures.Future[LoadResult]) -> None:
             failed_blocks: set[int] = set(blocks)
@@ -246,14 +246,14 @@ class TierWorker:
             ]
             self._record_written([prompt.hashes[i] for i in admitted if i not in readable])
             if not readable:
-                _copy_outcome(done, outer)
+                copy_outcome(done, outer)
                 return
             digests = [prompt.hashes[i] for i in readable]
             (write,) = self._submit(self.local.store_many, [_chunks(prompt, blocks, readable)], timeout)
 
             def written(_: concurrent.futures.Future[Any]) -> None:
                 self.counters["promotions"] += self._record_written(digests)
-                _copy_outcome(done, outer)
+                copy_outcome(done, outer)
 
             write.add_done_callback(written)
 
@@ -316,17 +316,6 @@ class TierWorker:
         finally:
             self.local.close(timeout)
             self.store.close()
-
-
-def _copy_outcome(source: concurrent.futures.Future[T], target: concurrent.futures.Future[T]) -> None:
-    if target.done():
-        return
-    if source.cancelled():
-        target.set_exception(concurrent.futures.CancelledError())
-    elif (exc := source.exception()) is not None:
-        target.set_exception(exc)
-    else:
-        target.set_result(source.result())
 
 
 def _merged_load(
