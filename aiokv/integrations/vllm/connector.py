@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.platforms import current_platform
 
@@ -24,7 +25,7 @@ from .amx import allow_amx_tiles
 from .config import ConnectorConfig
 from .geometry import KVGeometry, kv_geometry
 from .keys import key_namespace
-from .metadata import AiokvConnectorMetadata
+from .metadata import AiokvConnectorMetadata, AiokvWorkerMetadata
 from .metrics import AiokvConnectorStats, AiokvPromMetrics
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
@@ -133,6 +134,12 @@ class AiokvConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """The host tier's writes since the last step, for the scheduler's index (host_tier.py)."""
+        tier = self._work().tier
+        report = tier.report() if tier is not None else None
+        return AiokvWorkerMetadata(report) if report is not None else None
 
     def flush(self, timeout: float | None = None) -> bool:
         """Worker side: wait until every store submitted so far is in the store (or failed).

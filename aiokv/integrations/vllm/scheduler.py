@@ -21,6 +21,7 @@ from ...threaded import ThreadedKVWorker
 from .clients import acquire_backend, at_exit, release_backend, safe_call
 from .config import ConnectorConfig
 from .geometry import KVGeometry
+from .host_tier import LookupClient, scheduler_tier
 from .keys import hashed_prompt, key_namespace
 from .metadata import AiokvConnectorMetadata, TransferSpec
 
@@ -54,14 +55,11 @@ class SchedulerSide:
         self.can_store = transfer.kv_role != "kv_consumer" or config.save_decode_cache
         self.can_load = transfer.kv_role != "kv_producer" and config.enable_lookup
         in_process = not envs.VLLM_ENABLE_V1_MULTIPROCESSING
-        if config.backend == "memory" and (not in_process or vllm_config.parallel_config.world_size > 1):
-            raise ValueError(
-                "AiokvConnector backend 'memory' keeps KV inside one process: run the engine in-process "
-                "(VLLM_ENABLE_V1_MULTIPROCESSING=0) with one worker, or use backend 'mooncake'"
-            )
         self._scratch = np.zeros(geometry.page_bytes, dtype=np.uint8)
-        self._backend = acquire_backend(self.engine_id, config, pure_client=not in_process)
-        self._client: ThreadedKVWorker | None = None
+        self._backend = (
+            acquire_backend(self.engine_id, config, pure_client=not in_process) if config.remote else None
+        )
+        self._client: LookupClient | None = None
         if self._backend is not None and self.can_load:
             self._client = ThreadedKVWorker(
                 geometry.lookup_layout(self._scratch),
@@ -70,6 +68,10 @@ class SchedulerSide:
                 chunk_tokens=self.chunk_tokens,
                 executor_threads=1,
             )
+        # Host tier (backend "memory"/"tiered"): its index lives here, see host_tier.py.
+        self._tier = scheduler_tier(vllm_config, config, geometry)
+        if self._tier is not None and self.can_load:
+            self._client = self._tier.lookup_client(self._client)
         at_exit(self.shutdown)
         self._requests: dict[str, Any] = {}
         self._lookups: dict[str, _Lookup] = {}
@@ -161,6 +163,8 @@ class SchedulerSide:
         spec = self._load_spec(req_id, hit, blocks.get_block_ids()[0], num_external_tokens)
         self._loads.append(spec)
         self._load_blocks[req_id] = set(spec.block_ids) | set(spec.unloaded_block_ids)
+        if self._tier is not None:
+            self._tier.on_load(req_id, spec.prompt, asynchronous=self.config.load_async)
         if self.config.load_async:
             self._loading.add(req_id)
         # Loaded chunks are not marked stored: if the load fails they are recomputed, and the store
@@ -208,8 +212,8 @@ class SchedulerSide:
             self._hits.pop(req_id, None)
             self._lookups.pop(req_id, None)
             self._load_blocks.pop(req_id, None)
-        if not self.can_store or self._backend is None:
-            return meta
+        if not self.can_store or (self._backend is None and self._tier is None):
+            return self._with_tier(meta)
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -243,6 +247,12 @@ class SchedulerSide:
             )
             self._stored_chunks[req_id] = chunks
             self._with_stores.add(req_id)
+        return self._with_tier(meta)
+
+    def _with_tier(self, meta: AiokvConnectorMetadata) -> AiokvConnectorMetadata:
+        """The host tier's orders for this step (drops, admitted writes of its stores), if any."""
+        if self._tier is not None:
+            meta.tier = self._tier.on_step(meta.stores)
         return meta
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -255,6 +265,9 @@ class SchedulerSide:
         for req_id in connector_output.finished_recving or ():
             self._loading.discard(req_id)
             self._load_blocks.pop(req_id, None)
+        if self._tier is not None:
+            worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            self._tier.on_output(getattr(worker_meta, "tier", None), connector_output.finished_recving or ())
 
     def request_finished(self, request: Any) -> bool:
         """Whether the blocks must wait: a store of this request, or its load, may still be in flight.
@@ -272,6 +285,8 @@ class SchedulerSide:
         self._load_failed.discard(req_id)
         loading = req_id in self._loading
         self._loading.discard(req_id)
+        if self._tier is not None and not loading:
+            self._tier.release(req_id)
         stored = req_id in self._with_stores
         self._with_stores.discard(req_id)
         return loading or stored

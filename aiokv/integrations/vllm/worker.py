@@ -29,6 +29,7 @@ from .geometry import KVGeometry, engine_layout
 from .keys import key_namespace
 from .metadata import AiokvConnectorMetadata, TransferSpec
 from .stats_reporter import StatsReporter
+from .tier_worker import TierWorker, open_tier_worker
 
 logger = logging.getLogger("aiokv.vllm")
 
@@ -75,7 +76,7 @@ class WorkerSide:
         self.writes = not (geometry.is_mla and self.tp_rank != 0)
         self.chunk_tokens = config.chunk_blocks * geometry.block_size
         self._backend: Any = None
-        self._worker: ThreadedKVWorker | None = None
+        self._worker: ThreadedKVWorker | TierWorker | None = None
         self._on_cuda = False
         self._loads: dict[str, tuple[concurrent.futures.Future[LoadResult] | None, TransferSpec]] = {}
         self._stores: defaultdict[str, list[concurrent.futures.Future[Any]]] = defaultdict(list)
@@ -85,28 +86,44 @@ class WorkerSide:
         # Connector-level events, for tests and logs (the worker's own counters are in stats()).
         self.events: Counter[str] = Counter()
         self._stats: StatsReporter | None = None
+        self.tier: TierWorker | None = None
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         layout = engine_layout(kv_caches, self.geometry)
         first = next(iter(kv_caches.values()))
         self._on_cuda = first.device.type == "cuda"
-        if self._on_cuda and self.config.backend == "memory":
-            raise ValueError("AiokvConnector backend 'memory' needs the KV cache in host memory")
-        self._backend = acquire_backend(self.engine_id, self.config, pure_client=False)
-        if self._backend is None:
-            return
-        try:
-            self._worker = ThreadedKVWorker(
-                layout,
-                self._backend,
-                namespace=self.namespace,
-                chunk_tokens=self.chunk_tokens,
-                executor_threads=self.config.executor_threads,
+        if self._on_cuda and self.config.host_tier:
+            raise ValueError(
+                f"AiokvConnector backend {self.config.backend!r} needs the KV cache in host memory"
             )
+        if self.config.remote:
+            self._backend = acquire_backend(self.engine_id, self.config, pure_client=False)
+        if self._backend is None and not self.config.host_tier:
+            return
+        store_worker: ThreadedKVWorker | None = None
+        try:
+            if self._backend is not None:
+                store_worker = ThreadedKVWorker(
+                    layout,
+                    self._backend,
+                    namespace=self.namespace,
+                    chunk_tokens=self.chunk_tokens,
+                    executor_threads=self.config.executor_threads,
+                )
+            self._worker = store_worker
+            if self.config.host_tier:  # this rank's host tier, in front of the store if any (tier_worker.py)
+                self.tier = self._worker = open_tier_worker(layout, self, behind=store_worker)
+                self.writes = True  # every rank holds its own tier, whoever writes to the store behind
         except Exception as exc:
             logger.error("aiokv: cannot register the KV cache with the store (%s); running without it", exc)
-            release_backend(self.engine_id, self._backend)
+            if store_worker is not None:  # the tier failed: nothing may use the store's worker either
+                safe_call("closing the aiokv worker", lambda: store_worker.close(timeout=30.0))
+            self._worker = None
+            if self._backend is not None:
+                release_backend(self.engine_id, self._backend)
             self._backend = None
+            return
+        if self._worker is None:
             return
         self._stats = StatsReporter(self._worker, _STATS_INTERVAL_S)
         at_exit(self.shutdown)
@@ -128,6 +145,8 @@ class WorkerSide:
                 _wait_all(futures, f"preempted request {req_id}")
 
     def start_load_kv(self, meta: AiokvConnectorMetadata) -> None:
+        if self.tier is not None:
+            self.tier.apply(meta.tier)  # the host tier's drops and admits come before the step's transfers
         wanted = [spec for spec in meta.loads if spec.prompt.hashes]
         futures = dict(zip((spec.req_id for spec in wanted), self._submit("load", wanted), strict=True))
         for spec in meta.loads:
