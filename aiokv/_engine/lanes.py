@@ -28,7 +28,8 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -116,52 +117,81 @@ class Lanes:
     async def run_gated(self, lane: Lane, gate: Callable[[], Admitted[T] | None]) -> T | None:
         """Wait for a free thread of ``lane``, then ask ``gate`` (on the loop) what to run: None
         starts nothing (and answers None); else its call runs, and its end callback runs on the loop
-        once the thread returns from it."""
-        slots = self._slots[lane]
-        await slots.acquire()
-        if self._terminated:  # terminated between the slot's release and this task's wake-up
-            slots.release()
-            raise WorkerClosedError("the worker was terminated before the call ran")
-        refusal = self._admit() if self._admit is not None else None
-        if refusal is not None:
-            slots.release()
-            raise refusal
-        try:
-            admitted = gate()
-        except BaseException:
-            slots.release()
-            raise
-        if admitted is None:
-            slots.release()
-            return None
-        call, on_end = admitted
+        once the thread returns from it.
+
+        A call waiting for a thread is started by the callback in which the thread's previous call
+        ends (one hop from the thread to the loop, no turn of the loop in between): the thread waits
+        for the loop once per call, not for the awaiting task to be scheduled as well."""
         loop = asyncio.get_running_loop()
-
-        def ended() -> None:
-            slots.release()
-            on_end()
-
-        def returned(_: concurrent.futures.Future[T]) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to tell
-                loop.call_soon_threadsafe(ended)
-
-        done = self._executors[lane].submit(call)
-        done.add_done_callback(returned)
-        future = asyncio.wrap_future(done)
-        if lane in _ABANDONABLE:
-            self._abandonable.add(future)
+        outcome: asyncio.Future[T | None] = loop.create_future()
+        pending = _Pending(gate, outcome)
+        if self._slots[lane].take(pending) and not self._start(lane, pending):
+            self._hand_on(lane)
         try:
-            return await future
+            return await outcome
         except asyncio.CancelledError:
             # terminate() cancels the control and lookup calls awaited now (abandoned) and drops calls still
             # queued in an executor: they fail like a call that raised, instead of cancelling the
             # batch awaiting them (which would leave its requests unfinished forever).
             task = asyncio.current_task()
-            if self._terminated and future.cancelled() and (task is None or not task.cancelling()):
+            if self._terminated and outcome.cancelled() and (task is None or not task.cancelling()):
                 raise WorkerClosedError("the worker was terminated before the call returned") from None
             raise
         finally:
-            self._abandonable.discard(future)
+            self._abandonable.discard(outcome)
+
+    def _start(self, lane: Lane, pending: _Pending[Any]) -> bool:
+        """``pending`` holds a slot of ``lane``: ask its gate and submit its call. False: nothing was
+        submitted, and the slot is free again."""
+        outcome = pending.outcome
+        try:
+            if self._terminated:  # terminated between the slot's release and now
+                raise WorkerClosedError("the worker was terminated before the call ran")
+            refusal = self._admit() if self._admit is not None else None
+            if refusal is not None:
+                raise refusal
+            admitted = pending.gate()
+        except BaseException as exc:
+            if not outcome.done():
+                outcome.set_exception(exc)
+            return False
+        if admitted is None:
+            if not outcome.done():
+                outcome.set_result(None)
+            return False
+        call, on_end = admitted
+        loop = asyncio.get_running_loop()
+
+        def ended(done: concurrent.futures.Future[T]) -> None:
+            self._hand_on(lane)  # first: the next call's thread is idle until then
+            on_end()
+            if outcome.done():  # cancelled meanwhile
+                return
+            if done.cancelled():
+                outcome.cancel()
+            elif (error := done.exception()) is not None:
+                outcome.set_exception(error)
+            else:
+                outcome.set_result(done.result())
+
+        def returned(done: concurrent.futures.Future[T]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to tell
+                loop.call_soon_threadsafe(ended, done)
+
+        done = self._executors[lane].submit(call)
+        done.add_done_callback(returned)
+        # A cancelled awaiter (terminate(), or its task) drops the call if it has not started yet.
+        outcome.add_done_callback(lambda f: done.cancel() if f.cancelled() else None)
+        if lane in _ABANDONABLE:
+            self._abandonable.add(outcome)
+        return True
+
+    def _hand_on(self, lane: Lane) -> None:
+        """A slot of ``lane`` is free: start the next waiting call on it, or keep it free."""
+        slots = self._slots[lane]
+        while (pending := slots.release()) is not None:
+            if self._start(lane, pending):
+                return
 
     def terminate(self) -> None:
         """Take no more calls; fail those waiting for a thread; abandon running control and lookup
@@ -201,43 +231,47 @@ def _nothing() -> None:
     pass
 
 
+@dataclass(slots=True)
+class _Pending(Generic[T]):
+    """A call waiting for a thread: its gate, and the future its awaiter waits on."""
+
+    gate: Callable[[], Admitted[T] | None]
+    outcome: asyncio.Future[T | None]
+
+
 class Slots:
     """The free threads of a lane, handed out on the loop in the order asked for."""
 
     def __init__(self, count: int) -> None:
         self._free = count
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: deque[_Pending[Any]] = deque()
         self._failed = False
 
-    async def acquire(self) -> None:
+    def take(self, pending: _Pending[Any]) -> bool:
+        """True: a slot is ``pending``'s now. False: it waits, and :meth:`release` hands it one."""
         if self._failed:
             raise WorkerClosedError("the worker was terminated before the call ran")
         if self._free > 0 and not self._waiters:
             self._free -= 1
-            return
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                self.release()  # handed a slot, then cancelled before using it: pass it on
-            raise
+            return True
+        self._waiters.append(pending)
+        return False
 
-    def release(self) -> None:
+    def release(self) -> _Pending[Any] | None:
+        """A slot is free: the first waiter still awaited gets it (returned), else it stays free."""
         while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
+            pending = self._waiters.popleft()
+            if not pending.outcome.done():  # a cancelled awaiter is skipped
+                return pending
         self._free += 1
+        return None
 
     def fail_waiters(self) -> None:
         self._failed = True
         while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_exception(WorkerClosedError("the worker was terminated before the call ran"))
+            outcome = self._waiters.popleft().outcome
+            if not outcome.done():
+                outcome.set_exception(WorkerClosedError("the worker was terminated before the call ran"))
 
 
 _Work = tuple[concurrent.futures.Future[Any], Callable[[], Any]]
