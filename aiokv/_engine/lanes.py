@@ -7,9 +7,11 @@ computation, which hold no caller memory) and ``LOOKUP`` (one daemon thread: the
 lookups, a few keys each, answered while a batch's 62,500-key check or 10,000 requests' regions are
 still being computed).
 
-A call waits for a free thread of its lane *on the loop*, not in an executor queue: only when a
-thread is free is the call's go-ahead asked (:meth:`Lanes.run_gated`), so a request cancelled or
-timed out while its calls wait never has them started. On :meth:`Lanes.terminate`, calls waiting for
+A call's go-ahead is asked only when a thread of its lane is free for it, so a request cancelled or
+timed out while its calls wait never has them started: a control or lookup call waits for its thread
+on the loop (:meth:`Lanes.run_gated`); a transfer thread takes its next call itself and admits it
+under the tracker's lock, or asks the loop when it cannot (:meth:`Lanes.run_transfer`,
+:mod:`.transfer_threads`). On :meth:`Lanes.terminate`, calls waiting for
 a thread fail with ``WorkerClosedError``; running transfer calls finish (they may touch caller
 memory); a running control or lookup call is abandoned: its awaiter fails at once, its thread
 finishes the call in the background and its result is dropped (a daemon thread, so not even
@@ -27,7 +29,6 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -36,6 +37,7 @@ import numpy.typing as npt
 
 from ..errors import WorkerClosedError
 from .slices import PIECE_KEYS, LoopSlice, pieces
+from .transfer_threads import TransferItem, TransferThreads
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -63,17 +65,27 @@ EXISTS_PIECE_KEYS = 8192
 
 class Lanes:
     def __init__(
-        self, transfer_threads: int, admit: Callable[[], BaseException | None] | None = None
+        self,
+        transfer_threads: int,
+        admit: Callable[[], BaseException | None] | None = None,
+        *,
+        lock: threading.RLock | None = None,
+        admits_on_thread: Callable[[], bool] | None = None,
     ) -> None:
         # admit: asked on the loop once a thread is free for a call; an exception refuses the call (the
         # circuit breaker: calls that waited for a thread while the store went away are not sent).
+        # admits_on_thread: the same question, thread-safe, asked by a transfer thread before a call's
+        # fast admission (False: the call is admitted on the loop, where ``admit`` answers).
+        # lock: the tracker's, held by a transfer thread admitting a call (:mod:`.transfer_threads`).
         self._admit = admit
+        self._admits_on_thread = admits_on_thread
+        self._transfer = TransferThreads(transfer_threads, lock if lock is not None else threading.RLock())
         self._executors: dict[Lane, Any] = {
-            Lane.TRANSFER: ThreadPoolExecutor(transfer_threads, thread_name_prefix="aiokv"),
+            Lane.TRANSFER: self._transfer,
             Lane.CONTROL: DaemonThread("aiokv-control_0"),
             Lane.LOOKUP: DaemonThread("aiokv-lookup_0"),
         }
-        self._slots = {Lane.TRANSFER: Slots(transfer_threads), Lane.CONTROL: Slots(1), Lane.LOOKUP: Slots(1)}
+        self._slots = {Lane.CONTROL: Slots(1), Lane.LOOKUP: Slots(1)}
         self._abandonable: set[asyncio.Future[Any]] = set()  # control and lookup calls awaited now
         self._terminated = False
 
@@ -122,6 +134,8 @@ class Lanes:
         A call waiting for a thread is started by the callback in which the thread's previous call
         ends (one hop from the thread to the loop, no turn of the loop in between): the thread waits
         for the loop once per call, not for the awaiting task to be scheduled as well."""
+        if lane is Lane.TRANSFER:
+            return await self.run_transfer(None, gate)
         loop = asyncio.get_running_loop()
         outcome: asyncio.Future[T | None] = loop.create_future()
         pending = _Pending(gate, outcome)
@@ -139,6 +153,34 @@ class Lanes:
             raise
         finally:
             self._abandonable.discard(outcome)
+
+    async def run_transfer(
+        self, fast: Callable[[], Admitted[T] | None] | None, gate: Callable[[], Admitted[T] | None]
+    ) -> T | None:
+        """A call on a transfer thread (:mod:`.transfer_threads`): the thread that takes it asks
+        ``fast`` (on the thread, holding the tracker's lock; None declines), else ``gate`` on the loop
+        as :meth:`run_gated` does; answers as :meth:`run_gated`."""
+        if self._terminated:
+            raise WorkerClosedError("the worker was terminated before the call ran")
+        loop = asyncio.get_running_loop()
+        outcome: asyncio.Future[T | None] = loop.create_future()
+        on_thread = self._admits_on_thread
+
+        def fast_admission() -> Admitted[T] | None:
+            if fast is None or (on_thread is not None and not on_thread()):
+                return None
+            return fast()
+
+        def full_gate() -> Admitted[T] | None:
+            if self._terminated:
+                raise WorkerClosedError("the worker was terminated before the call ran")
+            refusal = self._admit() if self._admit is not None else None
+            if refusal is not None:
+                raise refusal
+            return gate()
+
+        self._transfer.submit(TransferItem(fast_admission, full_gate, outcome, loop))
+        return await outcome
 
     def _start(self, lane: Lane, pending: _Pending[Any]) -> bool:
         """``pending`` holds a slot of ``lane``: ask its gate and submit its call. False: nothing was
