@@ -89,7 +89,10 @@ async def _ticker(stop: asyncio.Event, lags: list[float], busy: list[float]) -> 
 
 
 async def measured(run: Callable[[], Awaitable[None]]) -> tuple[list[float], list[float], float, float]:
-    """Run ``run()`` beside the ticker: (lags ms, loop busy per tick ms, process CPU s, wall s)."""
+    """Run ``run()`` beside the ticker: (lags ms, loop busy per tick ms, process CPU s, wall s).
+
+    The bench's ``measure_loop_lag`` does the same; this file cannot import it, as it runs on
+    revisions whose bench differs (or that lack it), and must measure the same way on all of them."""
     lags: list[float] = []
     busy: list[float] = []
     stop = asyncio.Event()
