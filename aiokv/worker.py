@@ -202,7 +202,12 @@ class KVWorker:
             raise AiokvError("KVWorker.start() was already called: the worker is started")
         self._loop = asyncio.get_running_loop()
         guard = self._guard
-        lanes = self._lanes = Lanes(self._threads, guard.admit if guard is not None else None)
+        lanes = self._lanes = Lanes(
+            self._threads,
+            guard.admit if guard is not None else None,
+            lock=self._tracker.lock,
+            admits_on_thread=guard.admits_on_thread if guard is not None else None,
+        )
         try:
             await self._registration.register(functools.partial(lanes.run, Lane.TRANSFER))
         except BaseException:

@@ -113,6 +113,11 @@ class BreakerGuard:
         self.refuse_queued()
         return _CircuitOpenError("circuit open: " + self.breaker.describe())
 
+    def admits_on_thread(self) -> bool:
+        """Thread-safe: True while :meth:`admit` would let a call run without asking anything of the
+        loop (the breaker closed or disabled); a transfer thread then admits its call itself."""
+        return not self.breaker.config.enabled or self.breaker.poll() is BreakerState.CLOSED
+
     def refuse_queued(self) -> None:
         """Answer every request no backend call is using now (each refusal counted per kind)."""
         for request in self._tracker.queued():
