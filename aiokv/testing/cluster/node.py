@@ -34,6 +34,7 @@ a pure function of both (:func:`chunk_bytes`), so any node can tell right bytes 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -267,13 +268,20 @@ class Node:
         return self.backend.replica_endpoints(keys)
 
 
+def json_value(value: object) -> Any:
+    """What a reply holds beyond JSON's types: the worker's stats carry dataclasses (latency summaries)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    raise TypeError(f"a node reply cannot carry {type(value).__name__}")
+
+
 async def serve(config: dict[str, Any]) -> None:
     loop = asyncio.get_running_loop()
     node = Node(config)
     out = sys.stdout
 
     def reply(message: dict[str, Any]) -> None:
-        out.write(json.dumps(message) + "\n")
+        out.write(json.dumps(message, default=json_value) + "\n")
         out.flush()
 
     async def handle(request: dict[str, Any]) -> None:
@@ -284,7 +292,10 @@ async def serve(config: dict[str, Any]) -> None:
         except Exception as exc:  # every failure is answered; the node keeps serving
             message = {"id": request.get("id"), "ok": False, "error": type(exc).__name__, "message": str(exc)}
         message["elapsed_s"] = time.monotonic() - started
-        reply(message)
+        try:
+            reply(message)
+        except TypeError as exc:  # answered all the same: a driver must never wait for a lost reply
+            reply({"id": request.get("id"), "ok": False, "error": "TypeError", "message": str(exc)})
 
     reader = asyncio.StreamReader(limit=1 << 26)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
