@@ -50,6 +50,7 @@ from ...backends.mooncake import MooncakeBackend
 from ...breaker import BreakerConfig
 from ...keys import KeyNamespace, chunk_hashes
 from ...layout import KVLayout
+from ...leases import LeaseBudget
 from ...worker import KVWorker
 
 SENTINEL = 0xEE
@@ -73,10 +74,12 @@ def digest(array: npt.NDArray[np.uint8]) -> str:
 
 
 def worker_options(options: dict[str, Any]) -> dict[str, Any]:
-    """KVWorker options from JSON: ``breaker`` is None (no breaker) or BreakerConfig's fields."""
+    """KVWorker options from JSON: ``breaker`` and ``lease_budget`` are None (none) or their fields."""
     options = dict(options)
     if options.get("breaker") is not None:
         options["breaker"] = BreakerConfig(**options["breaker"])
+    if options.get("lease_budget") is not None:
+        options["lease_budget"] = LeaseBudget(**options["lease_budget"])
     return options
 
 
