@@ -41,6 +41,7 @@ from .errors import (
 from .futures import TransferFuture
 from .keys import HashedPrompt, KeyNamespace, TokenIds, chunk_hashes
 from .layout import KVLayout
+from .leases import LeaseBudget
 from .results import LoadResult, StoreResult
 from .runner import loop_factory, run
 from .stats import ChunkOutcome, Kind, Op, StatName
@@ -84,6 +85,7 @@ __all__ = [
     "KVWorker",
     "KeyNamespace",
     "Kind",
+    "LeaseBudget",
     "LoadResult",
     "MemoryBackend",
     "MooncakeBackend",

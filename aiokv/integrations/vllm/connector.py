@@ -70,7 +70,9 @@ class AiokvConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(vllm_config, self.config, geometry)
+            self._scheduler = SchedulerSide(
+                vllm_config, self.config, geometry, int(kv_cache_config.num_blocks)
+            )
             _log_key_scope(vllm_config, self.config, geometry)
         else:
             self._worker = WorkerSide(vllm_config, self.config, geometry)

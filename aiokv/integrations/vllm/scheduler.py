@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ...keys import HashedPrompt
+from ...leases import LeaseBudget
 from ...threaded import ThreadedKVWorker
 from .clients import acquire_backend, at_exit, release_backend, safe_call
 from .config import ConnectorConfig
@@ -43,7 +44,9 @@ class _Hit:
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config: Any, config: ConnectorConfig, geometry: KVGeometry) -> None:
+    def __init__(
+        self, vllm_config: Any, config: ConnectorConfig, geometry: KVGeometry, cache_blocks: int
+    ) -> None:
         import vllm.envs as envs
 
         self.config = config
@@ -67,6 +70,9 @@ class SchedulerSide:
                 namespace=key_namespace(vllm_config, config, geometry, tp_rank=0, pp_rank=0),
                 chunk_tokens=self.chunk_tokens,
                 executor_threads=1,
+                # The lookup worker's own layout is one scratch page: its lookups may lease what the
+                # engine's KV cache holds (the default budget would be that one page).
+                lease_budget=LeaseBudget(max_bytes=cache_blocks * geometry.num_layers * geometry.page_bytes),
             )
         # Host tier (backend "memory"/"tiered"): its index lives here, see host_tier.py.
         self._tier = scheduler_tier(vllm_config, config, geometry)
