@@ -197,21 +197,56 @@ def tolerance_from_control(pairs: Iterable[tuple[dict[str, Any], dict[str, Any]]
     return min(max(CONTROL_MARGIN * spread, LOGPROB_TOLERANCE_FLOOR), LOGPROB_TOLERANCE_CAP)
 
 
+def near_tie(got: dict[str, Any], want: dict[str, Any], position: int, tolerance: float) -> bool:
+    """At ``position`` each run's greedy token is the other run's runner-up, within ``tolerance`` of that
+    run's greedy token: a tie this CPU's numerics may break either way (needs ``top``, each position's
+    most likely tokens, as the OpenAI server returns them with ``logprobs`` >= 2)."""
+    if not got.get("top") or not want.get("top"):
+        return False
+    mine, theirs = got["tokens"][position], want["tokens"][position]
+    got_top, want_top = got["top"][position], want["top"][position]
+    return (
+        theirs in got_top
+        and got_top[theirs] >= got["logprobs"][position] - tolerance
+        and mine in want_top
+        and want_top[mine] >= want["logprobs"][position] - tolerance
+    )
+
+
 def assert_same_greedy(got: dict[str, Any], want: dict[str, Any], tolerance: float, what: str = "") -> None:
     """``got`` generated what ``want`` did: the same greedy tokens, and each greedy token's logprob
-    within ``tolerance`` (from :func:`tolerance_from_control`; see the comment above it)."""
+    within ``tolerance`` (from :func:`tolerance_from_control`; see the comment above it).
+
+    One exception: where the two top tokens of a position are within ``tolerance`` in both runs (a near
+    tie, :func:`near_tie`; seen without AMX at a 0.013 gap, with vLLM's own connector too), the runs may
+    pick either; their texts differ from there on, so the comparison ends at that position. Wrong KV
+    is no near tie: it changes tokens with clear winners, or moves logprobs by more than 1."""
     assert 0 <= tolerance <= LOGPROB_TOLERANCE_CAP, tolerance
-    if got["tokens"] != want["tokens"]:
-        position = next(
-            (i for i, (a, b) in enumerate(zip(got["tokens"], want["tokens"], strict=False)) if a != b),
-            min(len(got["tokens"]), len(want["tokens"])),
-        )
-        raise AssertionError(
-            f"{what}: greedy tokens differ from position {position}: {got['tokens']} != {want['tokens']}"
-            f" (logprobs {got['logprobs']} vs {want['logprobs']})"
-        )
-    assert len(got["logprobs"]) == len(want["logprobs"]) == len(got["tokens"]), (what, got, want)
-    worst = max((abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"], strict=True)), default=0.0)
+    position = next(
+        (i for i, (a, b) in enumerate(zip(got["tokens"], want["tokens"], strict=False)) if a != b), None
+    )
+    if position is None and len(got["tokens"]) != len(want["tokens"]):
+        position = min(len(got["tokens"]), len(want["tokens"]))
+    end = len(got["tokens"])
+    if position is not None:
+        if (
+            position >= len(got["tokens"])
+            or position >= len(want["tokens"])
+            or not near_tie(got, want, position, tolerance)
+        ):
+            raise AssertionError(
+                f"{what}: greedy tokens differ from position {position}: {got['tokens']} != "
+                f"{want['tokens']} (logprobs {got['logprobs']} vs {want['logprobs']})"
+            )
+        end = position
+    assert len(got["logprobs"]) == len(got["tokens"]) and len(want["logprobs"]) == len(want["tokens"]), (
+        what,
+        got,
+        want,
+    )
+    worst = max(
+        (abs(a - b) for a, b in zip(got["logprobs"][:end], want["logprobs"][:end], strict=True)), default=0.0
+    )
     assert worst <= tolerance, f"{what}: a greedy token's logprob moved by {worst:.4f} > {tolerance:.4f}"
 
 
