@@ -37,7 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..testing.vllm_server import Completion, VllmServer, running_server
+from aiokv.testing.vllm_server import Completion, VllmServer, running_server
+
 from .vllm import kv_transfer_config, mooncake_config, mooncake_store
 from .vllm_workload import BLOCK_SIZE, MODEL_SHAPE
 
@@ -309,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as stack:
         workdir = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="aiokv-http-")))
         workdir.mkdir(parents=True, exist_ok=True)
-        from ..integrations.vllm.tiny_model import write_tiny_llama, write_word_tokenizer
+        from aiokv.integrations.vllm.tiny_model import write_tiny_llama, write_word_tokenizer
 
         shape = dict(MODEL_SHAPE, num_layers=args.layers)
         model = write_word_tokenizer(write_tiny_llama(workdir / "model", **shape, seed=args.seed))

@@ -69,14 +69,10 @@ class Completion:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)  # per position: token id -> logprob
 
     def as_output(self) -> dict[str, Any]:
-        """The shape the engine tests compare (``tokens``, ``logprobs``, ``cached``, and ``top``: the
-        ``logprobs`` most likely tokens per position)."""
-        return {
-            "tokens": self.tokens,
-            "logprobs": self.logprobs,
-            "cached": self.cached,
-            "top": self.top_logprobs,
-        }
+        """The shape the engine tests compare: ``tokens``, ``logprobs``, ``cached``, and ``top``: per
+        position the most likely tokens as ``[token, logprob]``, most likely first."""
+        top = [sorted(([t, lp] for t, lp in p.items()), key=lambda pair: -pair[1]) for p in self.top_logprobs]
+        return {"tokens": self.tokens, "logprobs": self.logprobs, "cached": self.cached, "top": top}
 
 
 def _free_port() -> int:

@@ -4,7 +4,7 @@ one alone and four sharing a prefix at once (synchronous loads, so the four comp
 in the reference run). Outputs equal those of vLLM reusing its own KV for the same tokens (the same
 split into reused and computed tokens, and the same batches): the same greedy tokens, logprobs within
 the spread this CPU shows between computing a prompt whole and behind its cached prefix (the control,
-``support.tolerance_from_control``: nothing on AMX CPUs)."""
+``support.greedy_tolerance``: nothing on AMX CPUs)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from tests.vllm.support import (
     assert_same_greedy,
     connector,
     generate,
+    greedy_tolerance,
     require_vllm,
     run_engine,
     tokens,
-    tolerance_from_control,
 )
 
 PROMPT = tokens(40, 2100)  # 16 full blocks
@@ -75,7 +75,7 @@ def control(run: dict[str, Any]) -> float:
     cached prefix, in the same engine."""
     pairs = [(run["computed"]["outputs"][0], run["warm"]["outputs"][0])]
     pairs += list(zip(run["shared_first"]["outputs"], run["shared_warm"]["outputs"], strict=True))
-    return tolerance_from_control(pairs)
+    return greedy_tolerance(pairs)
 
 
 def test_store_evict_reload(run: dict[str, Any]) -> None:
@@ -137,7 +137,7 @@ def test_asynchronous_load_hits_the_whole_prompt(async_run: dict[str, Any]) -> N
     # Only the last token's KV is computed anew; the control: the same prompt behind vLLM's own
     # cached prefix (15 blocks) against computed whole.
     (warm,) = async_run["warm"]["outputs"]
-    assert_same_greedy(reloaded, computed, tolerance_from_control([(warm, computed)]), "whole-prompt hit")
+    assert_same_greedy(reloaded, computed, greedy_tolerance([(warm, computed)]), "whole-prompt hit")
     stats = async_run["stats"]
     assert stats["events"]["loads_submitted"] == 1 and stats["events"].get("load_error_blocks", 0) == 0
     assert stats["chunks"]["loaded"] == 4

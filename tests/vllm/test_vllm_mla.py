@@ -33,12 +33,12 @@ from tests.vllm.support import (
     assert_same_greedy,
     connector,
     generate,
+    greedy_tolerance,
     read_key_log,
     read_value,
     run_engine,
     store_world,
     tokens,
-    tolerance_from_control,
 )
 
 pytestmark = pytest.mark.mooncake
@@ -172,7 +172,7 @@ def test_tp2_engine_reads_the_shared_key_on_every_rank(runs: dict[str, Any]) -> 
     got = only(runs["D"], "p")
     assert got["cached"] == HIT
     warm, cold = only(runs["ref_tp2"], "warm"), only(runs["ref_tp2"], "cold")
-    tolerance = tolerance_from_control([(warm, cold)])
+    tolerance = greedy_tolerance([(warm, cold)])
     assert_same_greedy(got, warm, tolerance, "D against warm")
     assert_same_greedy(got, cold, tolerance, "D against cold")
     prompt_keys = set(keys_of(runs["B"], "get"))
@@ -188,7 +188,7 @@ def test_tp1_engine_loads_what_a_tp2_engine_stored(runs: dict[str, Any]) -> None
     assert got["cached"] == HIT
     cold = only(runs["ref_tp1"], "cold")
     # The measured cross-TP gap, or this run's own control if that is wider.
-    tolerance = max(CROSS_TP_LOGPROB_TOLERANCE, tolerance_from_control([(want, cold)]))
+    tolerance = max(CROSS_TP_LOGPROB_TOLERANCE, greedy_tolerance([(want, cold)]))
     assert_same_greedy(got, want, tolerance, "TP-1 engine against warm")
     assert got["tokens"] == cold["tokens"]
 

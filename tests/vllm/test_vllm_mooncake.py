@@ -22,10 +22,10 @@ from tests.vllm.support import (
     assert_same_greedy,
     connector,
     generate,
+    greedy_tolerance,
     run_engine,
     store_world,
     tokens,
-    tolerance_from_control,
     vllm_mooncake_connector,
 )
 
@@ -84,10 +84,10 @@ def reference(world: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def tolerance(reference: dict[Any, Any]) -> float:
-    """The logprob tolerance backed by the reference's control (see ``support.tolerance_from_control``)."""
+    """The logprob tolerance backed by the reference's control (see ``support.greedy_tolerance``)."""
     pairs = [(reference[name], reference[("cold", tuple(prompt))]) for name, prompt in WARM_AND_COLD]
     pairs += [(reference[("batch", tuple(p))], reference[("cold", tuple(p))]) for p in PREEMPT]
-    return tolerance_from_control(pairs)
+    return greedy_tolerance(pairs)
 
 
 def assert_matches(

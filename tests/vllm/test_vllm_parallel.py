@@ -26,13 +26,13 @@ from tests.vllm.support import (
     assert_same_greedy,
     connector,
     generate,
+    greedy_tolerance,
     read_key_log,
     read_value,
     require_vllm,
     run_engine,
     store_world,
     tokens,
-    tolerance_from_control,
 )
 
 pytestmark = pytest.mark.mooncake
@@ -116,8 +116,8 @@ def only(run: dict[str, Any], name: str) -> dict[str, Any]:
 
 def control(ref: dict[str, Any]) -> float:
     """The logprob tolerance from a reference's own control: the prompt computed whole against behind
-    vLLM's cached prefix (``support.tolerance_from_control``)."""
-    return tolerance_from_control([(only(ref, "warm"), only(ref, "cold"))])
+    vLLM's cached prefix (``support.greedy_tolerance``)."""
+    return greedy_tolerance([(only(ref, "warm"), only(ref, "cold"))])
 
 
 def keys_by_rank(entries: list[dict[str, Any]], op: str, rank: str = "tp_rank") -> dict[int, list[str]]:
