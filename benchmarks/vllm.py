@@ -276,6 +276,10 @@ def _rerun_in_namespace(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else list(argv)
+    if "--http" in args_list:  # under vLLM's OpenAI server, over HTTP (benchmarks.vllm_http)
+        from .vllm_http import main as http_main
+
+        return http_main([arg for arg in args_list if arg != "--http"])
     args = _parser().parse_args(args_list)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,

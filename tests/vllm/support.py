@@ -397,3 +397,10 @@ def read_value(backend: Any, key: str, size: int) -> bytes:
     with registered(backend, buffer) as addr:
         assert backend.batch_get([key], [[addr]], [[size]]) == [size]
     return buffer.tobytes()
+
+
+def slow_key_log_mooncake(config: Any, *, pure_client: bool) -> Any:
+    """Backend factory for ``"backend": "tests.vllm.support:slow_key_log_mooncake"``: Mooncake with
+    every put delayed and checked (:class:`CheckedSlowPuts`) and every put and get recorded
+    (:class:`KeyLog`): which keys a server acknowledged as stored, for stops with stores in flight."""
+    return KeyLog(slow_put_mooncake(config, pure_client=pure_client), os.environ["AIOKV_TEST_KEY_LOG"])

@@ -15,7 +15,14 @@ import pytest
 
 from aiokv.testing.tiny_model import write_tiny_llama
 from tests.vllm.support import MOONCAKE_ENV, connector, generate, run_engine, store_world
-from tests.vllm.test_vllm_host_tier import FULL_BLOCKS, PROMPTS, P, Q, close_outputs
+from tests.vllm.test_vllm_host_tier import (
+    FULL_BLOCKS,
+    PROMPTS,
+    REFERENCE_STEPS,
+    P,
+    Q,
+    assert_matches_reference,
+)
 
 pytestmark = pytest.mark.mooncake
 
@@ -50,7 +57,7 @@ def runs(world: dict[str, Any]) -> dict[str, Any]:
 
     flush_evict: list[dict[str, Any]] = [{"op": "flush"}, {"op": "evict"}]
     return {
-        "reference": engine("reference", [generate("cold", PROMPTS)]),
+        "reference": engine("reference", REFERENCE_STEPS),
         "a": engine(
             "tiered-a",
             [generate("first", PROMPTS), *flush_evict, generate("local", PROMPTS), {"op": "stats"}],
@@ -72,11 +79,10 @@ def runs(world: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_stores_go_to_both_tiers_and_hits_come_from_the_local_one(runs: dict[str, Any]) -> None:
-    a, reference = runs["a"], runs["reference"]["cold"]["outputs"]
+    a, reference = runs["a"], runs["reference"]
     assert a["evict"] is True
     assert [out["cached"] for out in a["local"]["outputs"]] == FULL_BLOCKS
-    for got, want in zip(a["local"]["outputs"], reference, strict=True):
-        assert close_outputs(got, want)
+    assert_matches_reference(a["local"]["outputs"], reference, "local")
     tier = a["stats"]["host_tier"]
     assert tier["hits"] == BLOCKS and tier["promotions"] == 0
     assert a["stats"]["chunks"]["stored"] == BLOCKS  # Mooncake got every block too
@@ -84,18 +90,17 @@ def test_stores_go_to_both_tiers_and_hits_come_from_the_local_one(runs: dict[str
 
 
 def test_a_remote_hit_is_promoted_and_eviction_pressure_keeps_outputs_exact(runs: dict[str, Any]) -> None:
-    b, reference = runs["b"], runs["reference"]["cold"]["outputs"]
+    b, reference = runs["b"], runs["reference"]
     (remote_p,) = b["remote_p"]["outputs"]
     (remote_q,) = b["remote_q"]["outputs"]
     assert [remote_p["cached"], remote_q["cached"]] == FULL_BLOCKS  # from Mooncake: the tier was empty
-    assert close_outputs(remote_p, reference[0]) and close_outputs(remote_q, reference[1])
+    assert_matches_reference([remote_p, remote_q], reference, "remote")
     before = b["stats_remote"]
     assert before["host_tier"]["hits"] == 0 and before["chunks"]["loaded"] == BLOCKS
     # All of P's 15 blocks were promoted, then Q's 13, dropping P's 4 least recently used for room.
     assert before["host_tier"]["promotions"] == BLOCKS and before["host_tier"]["evictions"] == BLOCKS - 24
     assert [out["cached"] for out in b["again"]["outputs"]] == FULL_BLOCKS
-    for got, want in zip(b["again"]["outputs"], reference, strict=True):
-        assert close_outputs(got, want)
+    assert_matches_reference(b["again"]["outputs"], reference, "again")
     after = b["stats"]
     assert after["host_tier"]["hits"] > 0  # Q (and what is left of P) from the tier...
     assert after["chunks"]["loaded"] > BLOCKS  # ...P's dropped blocks from Mooncake again
