@@ -1,13 +1,16 @@
-"""Command line: ``python -m aiokv demo`` and ``python -m aiokv bench``."""
+"""Command line: ``python -m aiokv demo`` (the benchmarks are not installed: ``python -m benchmarks`` from a
+checkout)."""
 
 from __future__ import annotations
 
 import sys
 
-_USAGE = """usage: python -m aiokv {demo,bench} [options]
+_USAGE = """usage: python -m aiokv demo [options]
 
   demo   store a long prompt from one paged cache, load it into another, verify every byte
-  bench  compare aiokv against the scalar reference, the write-up's version and direct backend calls
+
+The benchmarks live in the repository, not in the installed package: from a checkout's root run
+`python -m benchmarks --help`.
 """
 
 
@@ -21,10 +24,6 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import main as demo_main
 
         return demo_main(rest)
-    if command == "bench":
-        from .bench.cli import main as bench_main
-
-        return bench_main(rest)
     sys.stderr.write(f"unknown command {command!r}\n{_USAGE}")
     return 2
 

@@ -1,5 +1,6 @@
 """The worker's lifecycle: its states, the moves allowed between them, and how a shutdown is awaited
-to its end. :class:`~aiokv.worker.KVWorker` is the only user; ``WorkerState`` is public through it."""
+to its end. :class:`~aiokv.worker.KVWorker` is the only user; ``WorkerState`` is public as
+``aiokv.WorkerState``."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import numpy as np
 
 from ._arrays import IntArray, as_int64_array
 from .errors import InvalidRequestError
-from .keys import HashedPrompt, TokenIds
+from .keys import HashedPrompt, TokenIds, uint32_tokens
 from .layout import KVLayout
 
 BlockIds = Sequence[Sequence[int]] | Sequence[IntArray] | IntArray
@@ -97,9 +97,12 @@ def check_tokens(
 
 
 def owned_tokens(tokens: TokenIds, count: int) -> TokenIds:
-    """The first ``count`` token ids, in an object no caller holds."""
+    """The first ``count`` token ids, in an object no caller holds. An array is copied as uint32 when
+    its values allow (the copy is the encoding hashed, so hashing converts nothing)."""
     if isinstance(tokens, np.ndarray):
-        return tokens[:count].copy()
+        head = tokens[:count]
+        encoded = uint32_tokens(head)
+        return head.copy() if encoded is None else encoded
     if isinstance(tokens, (list, tuple)):
         return tokens[:count]  # slicing copies a list; a tuple cannot change
     return list(tokens[:count])  # any other sequence: its slice may be a view

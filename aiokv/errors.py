@@ -55,11 +55,12 @@ class BackendUnavailableError(BackendError):
         self.address = address
 
 
-class CircuitOpenError(BackendUnavailableError):
+class _CircuitOpenError(BackendUnavailableError):
     """The worker's circuit breaker is open: the call was not sent to the store (see docs/reliability.md).
 
-    Requests never fail with it: refused stores and loads finish with their chunks failed
-    ``UNAVAILABLE`` (-900) and lookups answer 0; it marks refused calls inside the engine.
+    Internal, hence private: requests never fail with it (refused stores and loads finish with their
+    chunks failed ``UNAVAILABLE`` (-900) and lookups answer 0); it only marks refused calls inside the
+    engine, so that the tracker tells a refusal from an error.
     """
 
     def __init__(self, message: str) -> None:

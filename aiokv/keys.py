@@ -60,8 +60,31 @@ def chain_digests(data: memoryview, piece_bytes: int, count: int, previous: byte
     return out
 
 
+_BULK_HEX_DIGESTS = 256  # below this many, one hex() per digest is as cheap as the bulk conversion
+
+
+def uint32_tokens(tokens: npt.NDArray[np.integer[Any]]) -> npt.NDArray[np.uint32] | None:
+    """A copy of ``tokens`` in the canonical encoding (:func:`token_bytes` then only views it), or None
+    when a value is outside ``[0, 2**32)`` (the hashing reports it)."""
+    in_range = tokens.dtype == np.dtype("<u4") or not tokens.size
+    if not in_range and (int(tokens.min()) < 0 or int(tokens.max()) >= _TOKEN_LIMIT):
+        return None
+    return tokens.astype("<u4")  # always a copy
+
+
 def digests_to_hex(digests: Sequence[bytes]) -> list[str]:
-    return [d[: DIGEST_HEX_CHARS // 2].hex() for d in digests]
+    """The first DIGEST_HEX_CHARS hex digits of each digest, converted in one C call (not one per
+    digest: ~0.2 us each, a quarter of a chained SHA-256)."""
+    width = DIGEST_HEX_CHARS // 2
+    if len(digests) < _BULK_HEX_DIGESTS:
+        return [d[:width].hex() for d in digests]
+    lengths = set(map(len, digests))
+    if len(lengths) == 1 and (length := lengths.pop()) >= width:
+        rows = np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(len(digests), length)
+        joined = rows[:, :width].tobytes()
+    else:
+        joined = b"".join([d[:width] for d in digests])
+    return joined.hex(" ", width).split(" ")
 
 
 def chunk_hashes(token_ids: TokenIds, chunk_tokens: int) -> list[str]:
@@ -84,6 +107,15 @@ def _block_hash_bytes(value: object, index: int) -> bytes:
         raise TypeError(f"block_hashes[{index}] must be bytes, str or int, not {type(value).__name__}")
     # Typed and length-prefixed, so that no two different hash sequences give the same bytes.
     return tag + len(raw).to_bytes(4, "little") + raw
+
+
+def _common_bytes_head(block_hashes: Iterable[object]) -> bytes | None:
+    """What :func:`_block_hash_bytes` puts before each hash when all are ``bytes`` of one length
+    (checked at C speed), else None."""
+    if not isinstance(block_hashes, Sequence) or set(map(type, block_hashes)) != {bytes}:
+        return None
+    lengths = set(map(len, block_hashes))  # type: ignore[arg-type]
+    return b"b" + lengths.pop().to_bytes(4, "little") if len(lengths) == 1 else None
 
 
 _KEY_ASCII = bytes(range(0x21, 0x7F))  # printable ASCII but space
@@ -170,12 +202,21 @@ class HashedPrompt:
         if isinstance(block_hashes, (str, bytes)) or not isinstance(block_hashes, Iterable):
             raise TypeError("block_hashes must be a sequence of block hashes")
         per_chunk = chunk_tokens // block_size
-        encoded = [_block_hash_bytes(v, i) for i, v in enumerate(block_hashes)]
         previous = chain_seed(chunk_tokens) + b"|blocks"
-        digests = []
-        for start in range(0, len(encoded) - per_chunk + 1, per_chunk):
-            previous = hashlib.sha256(previous + b"".join(encoded[start : start + per_chunk])).digest()
-            digests.append(previous)
+        digests: list[bytes] = []
+        head = _common_bytes_head(block_hashes) if per_chunk == 1 else None
+        if head is not None:
+            # One block per chunk, every hash bytes of one length (an engine's digests): one SHA-256
+            # per block over the same bytes _block_hash_bytes gives, no intermediate list.
+            sha256, append = hashlib.sha256, digests.append
+            for value in block_hashes:
+                previous = sha256(previous + head + value).digest()  # type: ignore[operator]
+                append(previous)
+        else:
+            encoded = [_block_hash_bytes(v, i) for i, v in enumerate(block_hashes)]
+            for start in range(0, len(encoded) - per_chunk + 1, per_chunk):
+                previous = hashlib.sha256(previous + b"".join(encoded[start : start + per_chunk])).digest()
+                digests.append(previous)
         return cls(tuple(digests_to_hex(digests)), chunk_tokens)
 
 

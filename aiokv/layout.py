@@ -4,7 +4,7 @@ A group is ``R`` cache regions (typically layer x K/V), each ``num_blocks`` bloc
 bytes holding ``block_size`` tokens, ``block_stride`` bytes apart. The value of a chunk in the store
 is, region by region, the bytes of the chunk's blocks in token order; :meth:`KVLayout.regions_for_chunks`
 gives its (address, size) pairs for many chunks at once, merging pieces adjacent in memory
-(:mod:`aiokv.runs`). :meth:`KVLayout.from_tensors` (:mod:`aiokv.tensors`) reads a layout from tensors.
+(:mod:`aiokv.coalesce`). :meth:`KVLayout.from_tensors` (:mod:`aiokv.tensors`) reads a layout from tensors.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from typing import Any, NoReturn
 import numpy as np
 
 from ._arrays import IntArray, IntArrayLike, NonIntegerError, as_int64_array, as_positive_int
+from .coalesce import RunPlan
 from .errors import InvalidRequestError
-from .runs import RunPlan
+from .tensors import describe_tensors
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
@@ -140,9 +141,19 @@ class KVLayout:
         (non-contiguous trailing dims, negative strides, ``block_dim`` out of range, unequal block
         counts, empty tensors, mixed dtypes or devices, regions sharing bytes).
         """
-        from .tensors import layout_from_tensors
-
-        return layout_from_tensors(cls, tensors, block_size=block_size, block_dim=block_dim)
+        block_size = as_positive_int(block_size, "block_size")  # before any tensor is inspected
+        regions = describe_tensors(tensors, block_dim=block_dim)
+        layout = cls(
+            regions.base_addrs,
+            regions.block_lens,
+            block_size,
+            regions.num_blocks,
+            dtype=regions.dtype,
+            block_strides=regions.block_strides,
+            device=regions.device,
+        )
+        layout._owners = regions.owners
+        return layout
 
     @property
     def num_regions(self) -> int:

@@ -61,6 +61,7 @@ class StatName(enum.StrEnum):
     PRESSURE_BACKOFFS = "pressure_backoffs"
     BATCHES = "batches"
     LATENCY = "latency"  # by Kind
+    LEASES = "leases"  # the lookups' lease ledger (added by KVWorker.stats(); None without one)
     BREAKER = "breaker"  # the circuit breaker's snapshot (added by KVWorker.stats(); None without one)
 
 

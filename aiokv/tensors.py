@@ -12,15 +12,11 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from ._arrays import as_positive_int
 from .errors import InvalidRequestError
-
-if TYPE_CHECKING:
-    from .layout import KVLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,16 +147,26 @@ def _blocks_meet(first: tuple[int, int, int], second: tuple[int, int, int], num_
     return bool(hit.any())
 
 
-def layout_from_tensors(
-    cls: type[KVLayout], tensors: Sequence[Any] | Mapping[str, Any], *, block_size: int, block_dim: int
-) -> KVLayout:
+@dataclass(frozen=True)
+class TensorRegions:
+    """Tensors as a layout's regions (what :meth:`KVLayout.from_tensors` builds itself from)."""
+
+    base_addrs: list[int]
+    block_lens: list[int]
+    block_strides: list[int]
+    num_blocks: int
+    dtype: str
+    device: str
+    owners: tuple[object, ...]  # the tensors, kept referenced so their memory outlives the layout
+
+
+def describe_tensors(tensors: Sequence[Any] | Mapping[str, Any], *, block_dim: int) -> TensorRegions:
     """See :meth:`KVLayout.from_tensors`."""
     named = _named(tensors)
     if not named:
         raise InvalidRequestError("tensors must hold at least one tensor")
     if isinstance(block_dim, bool) or not isinstance(block_dim, (int, np.integer)):
         raise TypeError(f"block_dim must be an int, not {type(block_dim).__name__}")
-    block_size = as_positive_int(block_size, "block_size")
     views = [inspect_tensor(tensor, name) for name, tensor in named]
     bases: list[int] = []
     lens: list[int] = []
@@ -191,14 +197,5 @@ def layout_from_tensors(
     if clash is not None:
         a, b = clash
         raise InvalidRequestError(f"{owner[a]} and {owner[b]} share memory: regions must not overlap")
-    layout = cls(
-        bases,
-        lens,
-        block_size,
-        num_blocks,
-        dtype=first.dtype,
-        block_strides=strides,
-        device=first.device,
-    )
-    layout._owners = tuple(tensor for _, tensor in named)
-    return layout
+    owners = tuple(tensor for _, tensor in named)
+    return TensorRegions(bases, lens, strides, num_blocks, first.dtype, first.device, owners)

@@ -14,6 +14,7 @@ import threading
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
+from ._validate import BlockIds
 from .backends.base import Backend
 from .errors import WorkerClosedError
 from .futures import TransferFuture
@@ -21,7 +22,7 @@ from .keys import HashedPrompt, KeyNamespace, TokenIds
 from .layout import KVLayout
 from .results import LoadResult, StoreResult
 from .runner import new_event_loop
-from .worker import BlockIds, KVWorker
+from .worker import KVWorker
 
 T = TypeVar("T")
 

@@ -38,18 +38,19 @@ from ._validate import (
     check_tokens,
     default_chunk_tokens,
 )
-from .backends.base import DEFAULT_REGIONS_PER_CALL, Backend, backend_traits, check_backend
+from .backends.base import Backend, backend_traits, check_backend
 from .breaker import BreakerConfig, CircuitBreaker
 from .errors import AiokvError, WorkerClosedError
 from .futures import TransferFuture
 from .keys import HashedPrompt, KeyNamespace, TokenIds, chain_seed
 from .layout import KVLayout
+from .leases import LeaseBudget, lease_ledger
 from .results import LoadResult, StoreResult
 from .stats import Kind, StatName, WorkerStats
 
 logger = logging.getLogger("aiokv")
 
-__all__ = ["DEFAULT_REGIONS_PER_CALL", "BlockIds", "KVWorker", "WorkerState"]
+__all__ = ["KVWorker"]  # the names it imports are public from ``aiokv`` itself
 
 
 class KVWorker:
@@ -77,6 +78,9 @@ class KVWorker:
     removes it). While the store cannot answer (calls stuck, -900/-1 answers, raised calls), lookups
     answer 0 and stores and loads finish at once with their chunks failed ``UNAVAILABLE`` (-900)
     instead of waiting; a probe resumes the worker once the store answers (docs/reliability.md).
+
+    ``lease_budget``: with a backend whose lookups lease what they find (``read_lease_s`` > 0: Mooncake),
+    the most they hold at once (:class:`~aiokv.leases.LeaseBudget`; default: the worker's cache size).
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class KVWorker:
         pressure_backoff_s: float = 1.0,
         close_backend: bool = False,
         breaker: BreakerConfig | None = BreakerConfig(),  # noqa: B008  (frozen: safe to share)
+        lease_budget: LeaseBudget | None = LeaseBudget(),  # noqa: B008  (frozen: safe to share)
     ) -> None:
         checked_layouts = check_layouts(layouts)
         check_backend(backend)
@@ -114,6 +119,8 @@ class KVWorker:
             raise TypeError(f"close_backend must be a bool, not {type(close_backend).__name__}")
         if breaker is not None and not isinstance(breaker, BreakerConfig):
             raise TypeError(f"breaker must be a BreakerConfig or None, not {type(breaker).__name__}")
+        if lease_budget is not None and not isinstance(lease_budget, LeaseBudget):
+            raise TypeError(f"lease_budget must be a LeaseBudget or None, not {type(lease_budget).__name__}")
         self._registration = Registration(
             checked_layouts, backend, can_unregister=traits.can_unregister, close_backend=close_backend
         )
@@ -139,6 +146,9 @@ class KVWorker:
             transfer_threads=self._threads,
             pressure_backoff_s=backoff_s,
             exists_in_process=traits.exists_in_process,
+        )
+        self._leases = lease_ledger(
+            lease_budget, traits.read_lease_s, checked_layouts, self._config.blocks_per_chunk
         )
         self._ids = itertools.count(1)
         self._state = WorkerState.NEW
@@ -181,8 +191,9 @@ class KVWorker:
         return self._state is WorkerState.CLOSED
 
     @property
-    def _active(self) -> set[Request]:  # submitted and not done (for tests waiting for the worker to idle)
-        return self._tracker.active
+    def requests_in_flight(self) -> int:
+        """Requests submitted whose futures are not settled yet (0: the worker is idle)."""
+        return len(self._tracker.active)
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -201,7 +212,12 @@ class KVWorker:
             raise AiokvError("KVWorker.start() was already called: the worker is started")
         self._loop = asyncio.get_running_loop()
         guard = self._guard
-        lanes = self._lanes = Lanes(self._threads, guard.admit if guard is not None else None)
+        lanes = self._lanes = Lanes(
+            self._threads,
+            guard.admit if guard is not None else None,
+            lock=self._tracker.lock,
+            admits_on_thread=guard.admits_on_thread if guard is not None else None,
+        )
         try:
             await self._registration.register(functools.partial(lanes.run, Lane.TRANSFER))
         except BaseException:
@@ -304,23 +320,36 @@ class KVWorker:
         return self._submit(Kind.LOAD, tokens, block_ids, timeout)
 
     async def lookup(self, tokens: TokenIds | HashedPrompt) -> int:
-        """Leading tokens whose chunks are present in every group (a hole ends the prefix)."""
+        """Leading tokens whose chunks are present in every group (a hole ends the prefix). With a
+        leasing backend, past ``lease_budget`` a lookup asks about (and answers) fewer chunks."""
         request = self._new_request(Kind.LOOKUP, tokens, None, None)
-        if request.num_chunks == 0:
-            self._tracker.finish_lookup(request, 0)
-        elif self._guard is not None and not self._guard.allow(Kind.LOOKUP):
+        leases, granted = self._leases, 0
+        refused = bool(request.num_chunks) and self._guard is not None and not self._guard.allow(Kind.LOOKUP)
+        if request.num_chunks and not refused and leases is not None:
+            granted = leases.ask(request, self._config.chunk_tokens)
+        if refused:
             self._tracker.refuse(request)
+        elif request.num_chunks == 0:  # empty, or the lease budget is spent: nothing asked, nothing leased
+            self._tracker.finish_lookup(request, 0)
         else:
             self._running_dispatcher().submit_lookup(request)
-        result: int = await request.future
+        found = granted  # unless it answers: the store may have leased them all the same
+        try:
+            result: int = await request.future
+            found = result // self._config.chunk_tokens
+        finally:
+            if leases is not None and granted:
+                leases.settle(granted, found)
         return result
 
     def stats(self) -> dict[str, Any]:
         """Counters since start and recent latency summaries (see :class:`aiokv.stats.WorkerStats`);
         ``"breaker"``: the circuit breaker's :meth:`~aiokv.breaker.CircuitBreaker.snapshot` (None
-        without one)."""
+        without one); ``"leases"``: the lookups' lease ledger (:meth:`~aiokv.leases.LeaseLedger.snapshot`;
+        None without leases or bound)."""
         snapshot = self._stats.snapshot()
         snapshot[StatName.BREAKER.value] = self._guard.snapshot() if self._guard is not None else None
+        snapshot[StatName.LEASES.value] = self._leases.snapshot() if self._leases is not None else None
         return snapshot
 
     def _submit(

@@ -6,8 +6,8 @@ timed by passing one key with the full region lists: the binding converts every 
 -600 for the length mismatch without doing anything else.
 
 Needs a master, which it starts itself; run it inside a private network namespace:
-    unshare -rn sh -c 'ip link set lo up && python benchmarks/mooncake_conversion.py'
-Usage: python benchmarks/mooncake_conversion.py [--keys 2312] [--regions 96] [--repeats 9]
+    unshare -rn sh -c 'ip link set lo up && python -m benchmarks mooncake-conversion'
+Usage: python -m benchmarks mooncake-conversion [--keys 2312] [--regions 96] [--repeats 9]
 """
 
 from __future__ import annotations
@@ -38,7 +38,9 @@ def _time(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks mooncake-conversion", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--keys", type=int, default=2312)
     parser.add_argument("--regions", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=9)

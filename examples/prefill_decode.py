@@ -55,12 +55,12 @@ from aiokv import (
     HashedPrompt,
     KVLayout,
     KVWorker,
+    MooncakeBackend,
+    MooncakeMaster,
     StoreResult,
     ThreadedKVWorker,
     run,
 )
-from aiokv.backends.mooncake import MooncakeBackend
-from aiokv.backends.mooncake_master import MooncakeMaster
 from aiokv.testing import PagedCache, chunk_block_ids, chunk_value
 
 CHUNK_TOKENS = 64

@@ -80,8 +80,8 @@ def main() -> None:
 
     import numpy as np
 
-    from aiokv.backends.mooncake_master import MooncakeMaster, segment_holder
-    from aiokv.integrations.vllm.tiny_model import write_tiny_llama
+    from aiokv import MooncakeMaster, segment_holder
+    from aiokv.testing.tiny_model import write_tiny_llama
 
     with tempfile.TemporaryDirectory() as tmp, MooncakeMaster() as master:
         root = Path(tmp)

@@ -1,4 +1,4 @@
-"""Smoke test of ``python -m aiokv bench vllm`` at a tiny size, on real vLLM engines and a real Mooncake.
+"""Smoke test of ``python -m benchmarks vllm`` at a tiny size, on real vLLM engines and a real Mooncake.
 
 Timings are not checked (the machine is shared); what is checked: every configuration ran, the loading
 engine really got its prompt's blocks from the store, the greedy tokens agree everywhere, and the
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from aiokv.bench import vllm as bench
-from aiokv.bench.vllm_figures import check_outputs, output_mismatches, reference_boundaries, step_inflation
+from benchmarks import vllm as bench
+from benchmarks.vllm_figures import check_outputs, output_mismatches, reference_boundaries, step_inflation
 
 from .mooncake_support import in_ci, require_mooncake
 

@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 
-from aiokv import BackendUnavailableError, KVWorker
-from aiokv.backends.base import NO_SPACE, NOT_FOUND, TRANSFER_FAILED, UNAVAILABLE
+from aiokv import BackendUnavailableError, Code, KVWorker
 from aiokv.breaker import BreakerConfig
 from aiokv.testing import FaultRule
 from tests.helpers import wait_until
@@ -64,7 +63,7 @@ async def test_hanging_exists_trips_it_then_requests_answer_at_once_and_a_probe_
             assert tripped_after < FAST.stuck_after_s + 2.0  # trips within ~stuck_after_s
             result = await asyncio.wait_for(store, SAFETY_S)
             assert (result.stored, result.failed) == (0, 2)
-            assert dict(result.errors) == {UNAVAILABLE: 2 * 2}  # every (chunk, group) pair
+            assert dict(result.errors) == {Code.UNAVAILABLE: 2 * 2}  # every (chunk, group) pair
             assert breaker_state(worker) in ("open", "half_open")
             # While open: answered without a backend call, blocks untouched.
             calls = rig.backend.count("exists", "put", "get")
@@ -76,7 +75,7 @@ async def test_hanging_exists_trips_it_then_requests_answer_at_once_and_a_probe_
             assert [len(ids) for ids in load.failed_block_ids] == [len(ids) for ids in dst]
             assert all(rig.cache[g].untouched(dst[g]) for g in range(2))
             refused, took = await timed(worker.store(rig.prompt(1), rig.blocks(1, source=True)))
-            assert refused.failed == 1 and dict(refused.errors) == {UNAVAILABLE: 2}
+            assert refused.failed == 1 and dict(refused.errors) == {Code.UNAVAILABLE: 2}
             assert took < PROMPT_S
             assert rig.backend.count("exists", "put", "get") == calls
             snapshot = worker.stats()["breaker"]
@@ -98,16 +97,16 @@ async def test_hanging_exists_trips_it_then_requests_answer_at_once_and_a_probe_
 @pytest.mark.asyncio
 async def test_unavailable_answers_trip_it_and_later_stores_are_not_sent() -> None:
     rig = Rig(seed=42)
-    rule = rig.backend.add_rule(FaultRule(op="put", code=UNAVAILABLE))
+    rule = rig.backend.add_rule(FaultRule(op="put", code=Code.UNAVAILABLE))
     # An existence check that answers resets the count (the master answered), so here one failed
     # store is enough: failure_threshold=1.
     async with rig.worker(breaker=replace(FAST, failure_threshold=1)) as worker:
         result = await worker.store(rig.prompt(2), rig.blocks(2, source=True))
-        assert result.failed == 2 and dict(result.errors) == {UNAVAILABLE: 4}
+        assert result.failed == 2 and dict(result.errors) == {Code.UNAVAILABLE: 4}
         assert breaker_state(worker) != "closed"
         puts = rig.backend.count("put")
         refused = await worker.store(rig.prompt(2), rig.blocks(2, source=True))
-        assert refused.failed == 2 and dict(refused.errors) == {UNAVAILABLE: 4}
+        assert refused.failed == 2 and dict(refused.errors) == {Code.UNAVAILABLE: 4}
         assert rig.backend.count("put") == puts  # not sent
         rig.backend.remove_rule(rule)
         await wait_until(lambda: breaker_state(worker) == "closed")
@@ -122,7 +121,7 @@ async def test_unavailable_answers_trip_it_and_later_stores_are_not_sent() -> No
 @pytest.mark.asyncio
 async def test_consecutive_unavailable_errors_trip_the_default_breaker() -> None:
     rig = Rig(seed=48)
-    lost = BackendUnavailableError("master unreachable", code=UNAVAILABLE)
+    lost = BackendUnavailableError("master unreachable", code=Code.UNAVAILABLE)
     rule = rig.backend.add_rule(FaultRule(op="exists", exception=lost))
     tokens = rig.prompt(2)
     async with rig.worker() as worker:
@@ -144,9 +143,9 @@ async def test_consecutive_unavailable_errors_trip_the_default_breaker() -> None
 @pytest.mark.asyncio
 async def test_per_key_codes_never_trip_it() -> None:
     rig = Rig(seed=43)
-    for code in (NOT_FOUND, TRANSFER_FAILED, NO_SPACE):
+    for code in (Code.NOT_FOUND, Code.TRANSFER_FAILED, Code.NO_SPACE):
         rig.backend.add_rule(FaultRule(op="put", code=code, times=2))
-    rig.backend.add_rule(FaultRule(op="get", code=TRANSFER_FAILED))
+    rig.backend.add_rule(FaultRule(op="get", code=Code.TRANSFER_FAILED))
     async with rig.worker() as worker:  # the default breaker
         for _ in range(4):
             await worker.store(rig.prompt(2), rig.blocks(2, source=True))
@@ -183,7 +182,7 @@ async def test_a_long_put_does_not_trip_it_and_a_store_inside_a_put_waits_for_it
         # The calls that were running finish as they answer; a call of it not yet started then may
         # have been refused.
         assert result.stored + result.failed == 2
-        assert set(result.errors) <= {UNAVAILABLE}
+        assert set(result.errors) <= {Code.UNAVAILABLE}
         await wait_until(lambda: breaker_state(worker) == "closed")
         assert await worker.lookup(present) == CHUNK
 
@@ -244,7 +243,7 @@ async def test_breaker_figures_are_exported_to_prometheus() -> None:
 
     rig = Rig(seed=49)
     registry = prometheus.CollectorRegistry()
-    lost = BackendUnavailableError("master unreachable", code=UNAVAILABLE)
+    lost = BackendUnavailableError("master unreachable", code=Code.UNAVAILABLE)
     async with rig.worker(
         breaker=replace(FAST, failure_threshold=1, backoff_initial_s=30, backoff_max_s=30)
     ) as worker:

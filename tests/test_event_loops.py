@@ -2,6 +2,8 @@ import asyncio
 
 import pytest
 
+pytestmark = pytest.mark.loop_matters  # also on uvloop (tests/conftest.py)
+
 
 @pytest.mark.asyncio
 async def test_loop_kind(request: pytest.FixtureRequest) -> None:

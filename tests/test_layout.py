@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from aiokv import InvalidRequestError, KVLayout, MemoryBackend
-from aiokv.bench.prepare import build_inputs, run_prepare_benchmark
-from aiokv.bench.reference import reference_prepare_value, writeup_prepare_values
+from benchmarks.prepare import build_inputs, run_prepare_benchmark
+from benchmarks.reference import reference_prepare_value, writeup_prepare_values
 
 PROPERTY = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 _INT64_MAX = int(np.iinfo(np.int64).max)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from aiokv.backends.mooncake_master import MooncakeMaster
-from aiokv.bench.layout_caches import KINDS, LayoutCache, Scenario, chunk_token_table, pairs_per_request
-from aiokv.bench.layouts import main, print_report, run_layouts_benchmark
+from benchmarks.layout_caches import KINDS, LayoutCache, Scenario, chunk_token_table, pairs_per_request
+from benchmarks.layouts import main, print_report, run_layouts_benchmark
 
 TINY = Scenario(tokens=4096, block_size=128, regions=8, block_bytes=64, concurrency=2, rounds=1)
 
@@ -95,7 +95,7 @@ def test_benchmark_on_mooncake_times_the_call_form_the_backend_takes(mooncake_ma
 
 
 def test_cross_process_benchmark_moves_verified_bytes(mooncake_master: MooncakeMaster) -> None:
-    from aiokv.bench.layouts_xproc import XScenario, print_xproc_report, run_xproc_benchmark
+    from benchmarks.layouts_xproc import XScenario, print_xproc_report, run_xproc_benchmark
 
     xs = XScenario(tokens=1024, layers=2, heads=1, head_dim=16, multi_chunk_tokens=64, rounds=1)
     result = run_xproc_benchmark(xs, master=mooncake_master.address)

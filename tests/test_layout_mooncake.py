@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import numpy as np
 import pytest
@@ -17,29 +16,11 @@ import pytest
 from aiokv import KVLayout, KVWorker
 from aiokv.backends.mooncake import MooncakeBackend
 from aiokv.backends.mooncake_master import MooncakeMaster, segment_holder
+from aiokv.testing import FaultInjectingBackend
 
 N, BS, LAYERS, HEADS, DIM = 16, 16, 4, 2, 32
 SRC_IDS = [3, 4, 5, 6, 9, 1, 12, 13]
 DST_IDS = [0, 1, 2, 3, 15, 7, 10, 11]
-
-
-class Recording:
-    """The real backend, with the width (pairs per key) of every transfer call noted."""
-
-    def __init__(self, inner: MooncakeBackend) -> None:
-        self.inner = inner
-        self.widths: dict[str, list[int]] = {"batch_put": [], "batch_get": []}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def batch_put(self, keys: list[str], addrs: np.ndarray, sizes: np.ndarray) -> Any:
-        self.widths["batch_put"].append(int(np.shape(addrs)[1]))
-        return self.inner.batch_put(keys, addrs, sizes)
-
-    def batch_get(self, keys: list[str], addrs: np.ndarray, sizes: np.ndarray) -> Any:
-        self.widths["batch_get"].append(int(np.shape(addrs)[1]))
-        return self.inner.batch_get(keys, addrs, sizes)
 
 
 @pytest.fixture
@@ -68,12 +49,12 @@ async def test_layer_major_store_block_major_load_across_processes(
     assert src.fingerprint == dst.fingerprint
     tokens = list(range(len(SRC_IDS) * BS))
     ns = f"layout-{uuid.uuid4().hex[:8]}"
-    recording = Recording(remote_store)
+    recording = FaultInjectingBackend(remote_store)  # no rules: it records every call
     chunk_tokens = chunk_blocks * BS
-    async with KVWorker(src, recording, namespace=ns, chunk_tokens=chunk_tokens) as worker:  # type: ignore[arg-type]
+    async with KVWorker(src, recording, namespace=ns, chunk_tokens=chunk_tokens) as worker:
         stored = await worker.store(tokens, [SRC_IDS])
     assert (stored.stored, stored.failed) == (len(SRC_IDS) // chunk_blocks, 0)
-    async with KVWorker(dst, recording, namespace=ns, chunk_tokens=chunk_tokens) as worker:  # type: ignore[arg-type]
+    async with KVWorker(dst, recording, namespace=ns, chunk_tokens=chunk_tokens) as worker:
         loaded = await worker.load(tokens, [DST_IDS])
     assert loaded.ok and loaded.loaded_tokens == len(tokens)
     for layer in range(LAYERS):
@@ -90,8 +71,10 @@ async def test_layer_major_store_block_major_load_across_processes(
         }
         for layout in (src, dst)
     }
-    assert set(recording.widths["batch_put"]) == widths[src]
-    assert set(recording.widths["batch_get"]) == widths[dst]
+    put_widths = {n for call in recording.calls_of("put") for n in call.region_counts}
+    get_widths = {n for call in recording.calls_of("get") for n in call.region_counts}
+    assert put_widths == widths[src]
+    assert get_widths == widths[dst]
     if chunk_blocks == 1:
         assert widths == {src: {2 * LAYERS}, dst: {1}}
     else:

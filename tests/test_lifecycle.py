@@ -19,6 +19,8 @@ from aiokv.testing import FaultRule
 from tests.helpers import aiokv_threads, wait_until
 from tests.rig import CHUNK, SAFETY_S, Rig, loop_tasks
 
+pytestmark = pytest.mark.loop_matters  # also on uvloop (tests/conftest.py)
+
 
 def keys_seen(rig: Rig) -> set[str]:
     return {k for c in rig.backend.data_calls() for k in c.keys}

@@ -9,18 +9,9 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from aiokv import Backend, BackendError, InvalidRequestError, MemoryBackend
+from aiokv import Backend, BackendError, Code, InvalidRequestError, MemoryBackend
 from aiokv.backends import memory as _memory_module
-from aiokv.backends.base import (
-    INVALID,
-    NO_SPACE,
-    NOT_FOUND,
-    OK,
-    TRANSFER_FAILED,
-    RegionTable,
-    RegisteredMemory,
-    code_name,
-)
+from aiokv.backends.base import RegionTable, RegisteredMemory, code_name
 
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
@@ -67,7 +58,7 @@ def test_round_trip_real_bytes_multi_region(backend: MemoryBackend, bufs: Buffer
     # Key "a": three non-contiguous, oddly sized regions; key "b": one region.
     put_addrs = [[s + 100, s + 7, s + 3000], [s + 512]]
     put_sizes = [[50, 13, 64], [256]]
-    assert backend.batch_put(keys, put_addrs, put_sizes) == [OK, OK]
+    assert backend.batch_put(keys, put_addrs, put_sizes) == [Code.OK, Code.OK]
     assert backend.batch_exists(["a", "b", "c"]) == [True, True, False]
     assert backend.used_bytes == 127 + 256
     assert len(backend) == 2
@@ -87,7 +78,7 @@ def test_round_trip_real_bytes_multi_region(backend: MemoryBackend, bufs: Buffer
 
 def test_stored_value_is_a_copy(backend: MemoryBackend, bufs: Buffers) -> None:
     original = bufs.src[0:64].copy()
-    assert backend.batch_put(["k"], [[bufs.s]], [[64]]) == [OK]
+    assert backend.batch_put(["k"], [[bufs.s]], [[64]]) == [Code.OK]
     bufs.src[0:64] = 0  # the cache block is reused for something else
     assert backend.batch_get(["k"], [[bufs.d]], [[64]]) == [64]
     assert np.array_equal(bufs.dst[0:64], original)
@@ -97,8 +88,8 @@ def test_list_of_lists_and_2d_arrays_agree(backend: MemoryBackend, bufs: Buffers
     s, d = bufs.s, bufs.d
     addrs = np.array([[s, s + 100], [s + 200, s + 300]], dtype=np.int64)
     sizes = np.array([[16, 16], [32, 8]], dtype=np.int64)
-    assert backend.batch_put(["x", "y"], addrs, sizes) == [OK, OK]
-    assert backend.batch_put(["x2", "y2"], addrs.tolist(), sizes.tolist()) == [OK, OK]
+    assert backend.batch_put(["x", "y"], addrs, sizes) == [Code.OK, Code.OK]
+    assert backend.batch_put(["x2", "y2"], addrs.tolist(), sizes.tolist()) == [Code.OK, Code.OK]
     out = np.array([[d, d + 32], [d + 64, d + 96]], dtype=np.int64)
     assert backend.batch_get(["x", "y"], out, sizes) == [32, 40]
     first = bufs.dst[:128].copy()
@@ -145,13 +136,13 @@ def test_regions_outside_registered_memory_are_invalid_and_untouched(
     addrs = [[s], [r], [s + 4090], [s - 1], [s], []]
     sizes = [[8], [8], [8], [8], [0], []]
     codes = backend.batch_put(keys, addrs, sizes)
-    assert codes == [OK, INVALID, INVALID, INVALID, INVALID, INVALID]
+    assert codes == [Code.OK, Code.INVALID, Code.INVALID, Code.INVALID, Code.INVALID, Code.INVALID]
     assert backend.batch_exists(keys) == [True, False, False, False, False, False]
     assert backend.used_bytes == 8
     # A get whose regions leave registered memory writes nothing anywhere, not even its valid part.
     before = bufs.dst.copy()
     codes = backend.batch_get(["good", "good"], [[d, r], [d + 4093]], [[4, 4], [8]])
-    assert codes == [INVALID, INVALID]
+    assert codes == [Code.INVALID, Code.INVALID]
     assert np.array_equal(bufs.dst, before)
     assert not stray.any()
 
@@ -162,17 +153,20 @@ def test_region_spanning_two_adjacent_buffers_is_invalid(backend: MemoryBackend)
     backend.register_buffer(a, 128)
     backend.register_buffer(a + 128, 128)
     # Each region must lie inside one registered buffer, even if its neighbour is registered too.
-    assert backend.batch_put(["across", "inside"], [[a + 120], [a + 128]], [[16], [128]]) == [INVALID, OK]
+    assert backend.batch_put(["across", "inside"], [[a + 120], [a + 128]], [[16], [128]]) == [
+        Code.INVALID,
+        Code.OK,
+    ]
 
 
 def test_unregister_makes_regions_invalid(backend: MemoryBackend) -> None:
     buf = np.arange(64, dtype=np.uint8)
     a = int(buf.ctypes.data)
     backend.register_buffer(a, 64)
-    assert backend.batch_put(["k"], [[a]], [[8]]) == [OK]
+    assert backend.batch_put(["k"], [[a]], [[8]]) == [Code.OK]
     backend.unregister_buffer(a)
-    assert backend.batch_put(["k2"], [[a]], [[8]]) == [INVALID]
-    assert backend.batch_get(["k"], [[a]], [[8]]) == [INVALID]
+    assert backend.batch_put(["k2"], [[a]], [[8]]) == [Code.INVALID]
+    assert backend.batch_get(["k"], [[a]], [[8]]) == [Code.INVALID]
     with pytest.raises(InvalidRequestError, match="not the start of a registered buffer"):
         backend.unregister_buffer(a)
 
@@ -182,26 +176,26 @@ def test_capacity_no_space_without_eviction() -> None:
     local = Buffers(backend)
     s = local.s
     codes = backend.batch_put(["a", "b", "c", "d"], [[s], [s + 400], [s + 800], [s + 1200]], [[400]] * 4)
-    assert codes == [OK, OK, NO_SPACE, NO_SPACE]
+    assert codes == [Code.OK, Code.OK, Code.NO_SPACE, Code.NO_SPACE]
     assert backend.used_bytes == 800
     assert backend.batch_exists(["a", "b", "c", "d"]) == [True, True, False, False]
     # A smaller key still fits; the full store evicts nothing to make room.
-    assert backend.batch_put(["e", "f"], [[s], [s]], [[200], [1]]) == [OK, NO_SPACE]
+    assert backend.batch_put(["e", "f"], [[s], [s]], [[200], [1]]) == [Code.OK, Code.NO_SPACE]
     assert backend.used_bytes == 1000
     assert backend.batch_get(["a"], [[local.d]], [[400]]) == [400]
     assert np.array_equal(local.dst[:400], local.src[:400])
     # Removing frees capacity.
-    assert backend.batch_remove(["a", "zz"]) == [OK, NOT_FOUND]
+    assert backend.batch_remove(["a", "zz"]) == [Code.OK, Code.NOT_FOUND]
     assert backend.used_bytes == 600
-    assert backend.batch_put(["c"], [[s + 800]], [[400]]) == [OK]
+    assert backend.batch_put(["c"], [[s + 800]], [[400]]) == [Code.OK]
     backend.close()
 
 
 def test_existing_key_keeps_its_old_value(backend: MemoryBackend, bufs: Buffers) -> None:
     s, d = bufs.s, bufs.d
-    assert backend.batch_put(["k"], [[s]], [[32]]) == [OK]
-    assert backend.batch_put(["k"], [[s + 1000]], [[32]]) == [OK]
-    assert backend.batch_put(["k"], [[s + 2000]], [[64]]) == [OK]  # even with another size
+    assert backend.batch_put(["k"], [[s]], [[32]]) == [Code.OK]
+    assert backend.batch_put(["k"], [[s + 1000]], [[32]]) == [Code.OK]
+    assert backend.batch_put(["k"], [[s + 2000]], [[64]]) == [Code.OK]  # even with another size
     assert backend.used_bytes == 32
     assert backend.batch_get(["k"], [[d]], [[32]]) == [32]
     assert np.array_equal(bufs.dst[:32], bufs.src[:32])
@@ -209,7 +203,7 @@ def test_existing_key_keeps_its_old_value(backend: MemoryBackend, bufs: Buffers)
 
 def test_duplicate_key_in_one_batch_first_wins(backend: MemoryBackend, bufs: Buffers) -> None:
     s, d = bufs.s, bufs.d
-    assert backend.batch_put(["k", "k", "j"], [[s + 64], [s + 128], [s]], [[16], [16], [8]]) == [OK] * 3
+    assert backend.batch_put(["k", "k", "j"], [[s + 64], [s + 128], [s]], [[16], [16], [8]]) == [Code.OK] * 3
     assert backend.used_bytes == 24
     assert backend.batch_get(["k"], [[d]], [[16]]) == [16]
     assert np.array_equal(bufs.dst[:16], bufs.src[64:80])
@@ -217,12 +211,12 @@ def test_duplicate_key_in_one_batch_first_wins(backend: MemoryBackend, bufs: Buf
 
 def test_get_size_mismatch_and_missing(backend: MemoryBackend, bufs: Buffers) -> None:
     s, d = bufs.s, bufs.d
-    assert backend.batch_put(["k"], [[s]], [[100]]) == [OK]
+    assert backend.batch_put(["k"], [[s]], [[100]]) == [Code.OK]
     before = bufs.dst.copy()
     codes = backend.batch_get(
         ["k", "k", "nope", "k"], [[d], [d], [d], [d + 200, d + 300]], [[99], [101], [100], [60, 40]]
     )
-    assert codes == [INVALID, TRANSFER_FAILED, NOT_FOUND, 100]
+    assert codes == [Code.INVALID, Code.TRANSFER_FAILED, Code.NOT_FOUND, 100]
     assert code_name(codes[0]) == "INVALID" and code_name(codes[1]) == "TRANSFER_FAILED"
     assert code_name(codes[2]) == "NOT_FOUND"
     # Only the matching read wrote anything.
@@ -289,7 +283,7 @@ def test_threads_put_and_get_concurrently() -> None:
     for thread in threads:
         thread.join(timeout=60)
     assert not errors
-    assert all(results[t] == [OK, OK, value_len] * keys_per_thread for t in range(threads_n))
+    assert all(results[t] == [Code.OK, Code.OK, value_len] * keys_per_thread for t in range(threads_n))
     assert np.array_equal(dst, src)
     assert len(backend) == threads_n * keys_per_thread + 1
     assert backend.used_bytes == (threads_n * keys_per_thread + 1) * value_len
@@ -391,11 +385,11 @@ def test_removed_space_is_reused_and_other_values_stay_intact() -> None:
     local = Buffers(backend)
     s, d = local.s, local.d
     keys = [f"k{i}" for i in range(4)]
-    assert backend.batch_put(keys, [[s + 1000 * i] for i in range(4)], [[1000]] * 4) == [OK] * 4
-    assert backend.batch_put(["extra"], [[s]], [[1000]]) == [NO_SPACE]  # full
+    assert backend.batch_put(keys, [[s + 1000 * i] for i in range(4)], [[1000]] * 4) == [Code.OK] * 4
+    assert backend.batch_put(["extra"], [[s]], [[1000]]) == [Code.NO_SPACE]  # full
     # Free two holes, then fill them key by key (no contiguous room for both at once).
-    assert backend.batch_remove(["k1", "k3"]) == [OK, OK]
-    assert backend.batch_put(["n1", "n3"], [[s + 3000], [s + 1000]], [[1000], [1000]]) == [OK, OK]
+    assert backend.batch_remove(["k1", "k3"]) == [Code.OK, Code.OK]
+    assert backend.batch_put(["n1", "n3"], [[s + 3000], [s + 1000]], [[1000], [1000]]) == [Code.OK, Code.OK]
     expected = {"k0": 0, "k2": 2000, "n1": 3000, "n3": 1000}
     for key, offset in expected.items():
         local.dst[:] = 0
@@ -409,7 +403,7 @@ def test_space_freed_during_a_get_is_not_reused_until_the_get_is_done() -> None:
     backend = MemoryBackend(capacity_bytes=1000)
     local = Buffers(backend)
     s, d = local.s, local.d
-    assert backend.batch_put(["old"], [[s]], [[1000]]) == [OK]
+    assert backend.batch_put(["old"], [[s]], [[1000]]) == [Code.OK]
     entered, release = threading.Event(), threading.Event()
     copy = _memory_module._scatter
 
@@ -424,14 +418,14 @@ def test_space_freed_during_a_get_is_not_reused_until_the_get_is_done() -> None:
         reader.start()
         assert entered.wait(10)
         # Removed while being read: its capacity is free, but its bytes are not reused yet.
-        assert backend.batch_remove(["old"]) == [OK]
-        assert backend.batch_put(["new"], [[s + 1000]], [[1000]]) == [NO_SPACE]
+        assert backend.batch_remove(["old"]) == [Code.OK]
+        assert backend.batch_put(["new"], [[s + 1000]], [[1000]]) == [Code.NO_SPACE]
         release.set()
         reader.join(10)
     finally:
         _memory_module._scatter = copy  # type: ignore[assignment]
     assert np.array_equal(local.dst[:1000], local.src[:1000])  # the reader got the old bytes
-    assert backend.batch_put(["new"], [[s + 1000]], [[1000]]) == [OK]  # reused once the read ended
+    assert backend.batch_put(["new"], [[s + 1000]], [[1000]]) == [Code.OK]  # reused once the read ended
     local.dst[:] = 0
     assert backend.batch_get(["new"], [[d]], [[1000]]) == [1000]
     assert np.array_equal(local.dst[:1000], local.src[1000:2000])
@@ -475,7 +469,7 @@ def test_two_first_puts_at_once_keep_every_value() -> None:
                 thread.start()
             for thread in threads:
                 thread.join()
-            assert answers == [[OK] * keys_per_thread] * 2
+            assert answers == [[Code.OK] * keys_per_thread] * 2
             count = 2 * keys_per_thread
             codes = backend.batch_get(
                 [f"k{i}" for i in range(count)],

@@ -9,8 +9,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from aiokv import BackendError, KVWorker, MemoryBackend, ThreadedKVWorker
-from aiokv.backends.base import TRANSFER_FAILED
+from aiokv import BackendError, Code, KVWorker, MemoryBackend, ThreadedKVWorker
 from aiokv.metrics import PrometheusExporter, register_worker_metrics
 from aiokv.testing import SENTINEL, FaultInjectingBackend, FaultRule, PagedCache
 from tests.helpers import chunk_keys
@@ -60,7 +59,7 @@ async def test_scrape_after_real_traffic_reports_the_exact_figures() -> None:
             region[: region.shape[0] // 2] = rng.integers(0, 256, size=region[: region.shape[0] // 2].shape)
     backend = FaultInjectingBackend(MemoryBackend())
     a, b, c = (rng.integers(0, 1000, size=n * CHUNK) for n in (3, 1, 1))
-    backend.add_rule(FaultRule(op="put", keys={keys(cache, a, 0)[2]}, code=TRANSFER_FAILED))
+    backend.add_rule(FaultRule(op="put", keys={keys(cache, a, 0)[2]}, code=Code.TRANSFER_FAILED))
     backend.add_rule(
         FaultRule(op="put", keys={keys(cache, b, 0)[0]}, exception=RuntimeError("disk"), times=1)
     )

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from aiokv.backends.base import INVALID, NO_SPACE, NOT_FOUND, OK, TRANSFER_FAILED
+from aiokv import Code
 from aiokv.backends.mooncake import MooncakeBackend, MooncakeConfig, _import_hint, parse_size
 from aiokv.backends.mooncake_calls import CallForm, call_form, prove
 from aiokv.backends.mooncake_master import MooncakeMaster, free_ports, segment_holder
@@ -240,7 +240,7 @@ def test_round_trip_two_dimensional_arrays(mooncake_backend: MooncakeBackend) ->
         get_slots = np.random.default_rng(4).permutation(keys_n * regions).reshape(keys_n, regions)
         sizes = np.broadcast_to(region_sizes, (keys_n, regions))  # read-only, stride 0, as the worker passes
         assert sizes.strides[0] == 0
-        assert mooncake_backend.batch_put(keys, src_addr + put_slots * slot, sizes) == [OK] * keys_n
+        assert mooncake_backend.batch_put(keys, src_addr + put_slots * slot, sizes) == [Code.OK] * keys_n
         total = int(region_sizes.sum())
         assert mooncake_backend.batch_get(keys, dst_addr + get_slots * slot, sizes) == [total] * keys_n
     for k in range(keys_n):
@@ -256,7 +256,7 @@ def test_round_trip_lists_of_lists_ragged(mooncake_backend: MooncakeBackend) -> 
     with registered(mooncake_backend, src) as s, registered(mooncake_backend, dst) as d:
         put_addrs = [[s], [s + 1000, s + 5000], [s + 9000, s + 20000, s + 30000]]
         sizes = [[100], [64, 300], [1, 2, 4096]]
-        assert mooncake_backend.batch_put(keys, put_addrs, sizes) == [OK] * 3
+        assert mooncake_backend.batch_put(keys, put_addrs, sizes) == [Code.OK] * 3
         # Same totals, split differently on the way back: Mooncake only needs the totals to match.
         get_addrs = [[d + 100], [d + 2000], [d + 40000, d + 50000]]
         get_sizes = [[100], [364], [3, 4096]]
@@ -272,21 +272,21 @@ def test_exists_missing_key_and_size_mismatch(mooncake_backend: MooncakeBackend)
     present, absent = unique_keys(2)
     with registered(mooncake_backend, buf) as a:
         assert mooncake_backend.batch_exists([present, absent]) == [False, False]
-        assert mooncake_backend.batch_put([present], [[a]], [[4096]]) == [OK]
+        assert mooncake_backend.batch_put([present], [[a]], [[4096]]) == [Code.OK]
         assert mooncake_backend.batch_exists([absent, present]) == [False, True]
         codes = mooncake_backend.batch_get([present, absent, present], [[a + 8192]] * 3, [[4096]] * 3)
-        assert codes == [4096, NOT_FOUND, 4096]
+        assert codes == [4096, Code.NOT_FOUND, 4096]
         # Mooncake's own codes pass through: regions smaller (-600) or larger (-800) than the value.
-        assert mooncake_backend.batch_get([present], [[a + 8192]], [[4000]]) == [INVALID]
-        assert mooncake_backend.batch_get([present], [[a + 8192]], [[5000]]) == [TRANSFER_FAILED]
+        assert mooncake_backend.batch_get([present], [[a + 8192]], [[4000]]) == [Code.INVALID]
+        assert mooncake_backend.batch_get([present], [[a + 8192]], [[5000]]) == [Code.TRANSFER_FAILED]
 
 
 def test_existing_key_keeps_its_old_value(mooncake_backend: MooncakeBackend) -> None:
     buf = random_bytes(3 * 4096, seed=7)
     (key,) = unique_keys(1)
     with registered(mooncake_backend, buf) as a:
-        assert mooncake_backend.batch_put([key], [[a]], [[4096]]) == [OK]
-        assert mooncake_backend.batch_put([key], [[a + 4096]], [[4096]]) == [OK]  # reports success...
+        assert mooncake_backend.batch_put([key], [[a]], [[4096]]) == [Code.OK]
+        assert mooncake_backend.batch_put([key], [[a + 4096]], [[4096]]) == [Code.OK]  # reports success...
         assert mooncake_backend.batch_get([key], [[a + 8192]], [[4096]]) == [4096]
     assert np.array_equal(buf[8192:], buf[:4096])  # ...but the first value stays
 
@@ -300,16 +300,23 @@ def test_regions_outside_registered_memory_never_reach_mooncake(mooncake_backend
     with registered(mooncake_backend, buf) as a:
         addrs = [[a], [a, WILD], [a + (64 << 10) - 100], [], [int(other.ctypes.data)]]
         sizes = [[4096], [16, 16], [4096], [], [16]]
-        assert mooncake_backend.batch_put(keys, addrs, sizes) == [OK, INVALID, INVALID, INVALID, INVALID]
+        assert mooncake_backend.batch_put(keys, addrs, sizes) == [
+            Code.OK,
+            Code.INVALID,
+            Code.INVALID,
+            Code.INVALID,
+            Code.INVALID,
+        ]
         assert mooncake_backend.batch_exists(keys) == [True, False, False, False, False]
         # A batch with no valid key at all makes no native call.
         assert (
-            mooncake_backend.batch_get([good, good], [[WILD], [a - 4096]], [[4096], [4096]]) == [INVALID] * 2
+            mooncake_backend.batch_get([good, good], [[WILD], [a - 4096]], [[4096], [4096]])
+            == [Code.INVALID] * 2
         )
-        assert mooncake_backend.batch_get([good], [[a]], [[0]]) == [INVALID]
+        assert mooncake_backend.batch_get([good], [[a]], [[0]]) == [Code.INVALID]
         assert mooncake_backend.batch_get([good], [[a + 4096]], [[4096]]) == [4096]
     # Unregistered now: the same address is refused.
-    assert mooncake_backend.batch_get([good], [[a]], [[4096]]) == [INVALID]
+    assert mooncake_backend.batch_get([good], [[a]], [[4096]]) == [Code.INVALID]
     assert np.array_equal(buf[4096:8192], buf[:4096])
 
 
@@ -322,11 +329,11 @@ def test_invalid_rows_of_a_two_dimensional_batch_are_left_out(mooncake_backend: 
         sizes = np.array([[100, 200], [300, 400], [500, 600], [700, 800]])
         addrs = s + offsets
         addrs[1, 1] = WILD
-        assert mooncake_backend.batch_put(keys, addrs, sizes) == [OK, INVALID, OK, OK]
+        assert mooncake_backend.batch_put(keys, addrs, sizes) == [Code.OK, Code.INVALID, Code.OK, Code.OK]
         assert mooncake_backend.batch_exists(keys) == [True, False, True, True]
         get_addrs = d + offsets
         get_addrs[2, 0] = s - 8192  # not registered: -600, the rest still read
-        assert mooncake_backend.batch_get(keys, get_addrs, sizes) == [300, NOT_FOUND, INVALID, 1500]
+        assert mooncake_backend.batch_get(keys, get_addrs, sizes) == [300, Code.NOT_FOUND, Code.INVALID, 1500]
     for k in (0, 3):
         for r in range(2):
             at, n = int(offsets[k, r]), int(sizes[k, r])
@@ -365,7 +372,7 @@ def test_concurrent_calls_from_threads(mooncake_backend: MooncakeBackend) -> Non
             offsets = (t * keys_n + np.arange(keys_n)).reshape(keys_n, 1) * size
             sizes = np.full((keys_n, 1), size)
             for _ in range(5):
-                assert mooncake_backend.batch_put(keys, src_addr + offsets, sizes) == [OK] * keys_n
+                assert mooncake_backend.batch_put(keys, src_addr + offsets, sizes) == [Code.OK] * keys_n
                 assert mooncake_backend.batch_exists(keys) == [True] * keys_n
                 assert mooncake_backend.batch_get(keys, dst_addr + offsets, sizes) == [size] * keys_n
         except BaseException as exc:  # reported by the main thread
@@ -397,7 +404,7 @@ def test_large_batch_into_another_process_segment(
         keys = unique_keys(keys_n)
         with registered(backend, src) as s, registered(backend, dst) as d:
             # Without the raised queue limits these stall 60 s and answer -800 (TRANSFER_FAILED).
-            assert backend.batch_put(keys, s + offsets, sizes) == [OK] * keys_n
+            assert backend.batch_put(keys, s + offsets, sizes) == [Code.OK] * keys_n
             assert backend.batch_get(keys, d + offsets, sizes) == [regions * size] * keys_n
         assert np.array_equal(src, dst)
     assert holder.returncode == 0
@@ -449,9 +456,9 @@ def test_both_call_forms_answer_alike(mooncake_backend: MooncakeBackend) -> None
     ):
         put_at = [s, s + 8192, s + 16384]
         keys, flat, _ = _forms(mooncake_backend, "put", flat_keys, put_at, sizes)
-        assert list(flat.put(store, keys, replicate)) == [OK] * 3
+        assert list(flat.put(store, keys, replicate)) == [Code.OK] * 3
         keys, _, multi = _forms(mooncake_backend, "put", multi_keys, put_at, sizes)
-        assert list(multi.put(store, keys, replicate)) == [OK] * 3
+        assert list(multi.put(store, keys, replicate)) == [Code.OK] * 3
         for stored_by, half in ((flat_keys, 0), (multi_keys, 32 << 10)):
             get_at = [d + half + 20000, d + half + 4096, d + half]
             # Each stored form read back through each get form: the sizes, then the same bytes.
@@ -463,9 +470,9 @@ def test_both_call_forms_answer_alike(mooncake_backend: MooncakeBackend) -> None
                     assert np.array_equal(dst[at - d : at - d + n], src[src_at - s : src_at - s + n])
         present, (absent,) = flat_keys[0], unique_keys(1)
         cases = {
-            "missing key": ([present, absent], [d, d + 8192], [4096, 4096], [4096, NOT_FOUND]),
-            "region smaller than the value": ([present], [d], [4000], [INVALID]),
-            "region larger than the value": ([present], [d], [5000], [TRANSFER_FAILED]),
+            "missing key": ([present, absent], [d, d + 8192], [4096, 4096], [4096, Code.NOT_FOUND]),
+            "region smaller than the value": ([present], [d], [4000], [Code.INVALID]),
+            "region larger than the value": ([present], [d], [5000], [Code.TRANSFER_FAILED]),
         }
         for case, (case_keys, at, case_sizes, expected) in cases.items():
             keys, flat, multi = _forms(mooncake_backend, "get", case_keys, at, case_sizes)
@@ -483,11 +490,11 @@ def test_one_region_per_key_takes_the_flat_calls(
     with registered(backend, src) as s, registered(backend, dst) as d:
         offsets = np.arange(4).reshape(4, 1) * 8192
         sizes = np.full((4, 1), 4096)
-        assert backend.batch_put(keys, s + offsets, sizes) == [OK] * 4
+        assert backend.batch_put(keys, s + offsets, sizes) == [Code.OK] * 4
         get_addrs = d + offsets[::-1]
         get_addrs[1, 0] = WILD  # left out (-600), the rest still one flat call
-        assert backend.batch_get(keys, get_addrs, sizes) == [4096, INVALID, 4096, 4096]
-        assert backend.batch_get(keys, [[d + 40000]] * 4, [[5000]] * 4) == [TRANSFER_FAILED] * 4
+        assert backend.batch_get(keys, get_addrs, sizes) == [4096, Code.INVALID, 4096, 4096]
+        assert backend.batch_get(keys, [[d + 40000]] * 4, [[5000]] * 4) == [Code.TRANSFER_FAILED] * 4
         assert calls.called == ["batch_put_from", "batch_get_into", "batch_get_into"]
         for k in (0, 2, 3):
             assert np.array_equal(
@@ -498,7 +505,7 @@ def test_one_region_per_key_takes_the_flat_calls(
         assert backend.batch_get(keys[:2], [[d], [d + 100, d + 8192]], [[4096], [100, 3996]]) == [4096] * 2
         # A key twice in one put: the multi-buffer form, whose first value wins as before.
         (twice,) = unique_keys(1)
-        assert backend.batch_put([twice, twice], [[s], [s + 8192]], [[4096], [4096]]) == [OK, OK]
+        assert backend.batch_put([twice, twice], [[s], [s + 8192]], [[4096], [4096]]) == [Code.OK, Code.OK]
         assert backend.batch_get([twice], [[d + 50000]], [[4096]]) == [4096]
         assert np.array_equal(dst[50000:54096], src[:4096])
         assert calls.called == [
@@ -518,7 +525,7 @@ def test_a_key_repeated_in_one_get_fills_every_region(
     a, b = unique_keys(2)
     split = [1000, 3096] if regions_per_key == 2 else [4096]
     with registered(mooncake_backend, src) as s, registered(mooncake_backend, dst) as d:
-        assert mooncake_backend.batch_put([a, b], [[s], [s + 8192]], [[4096], [4096]]) == [OK, OK]
+        assert mooncake_backend.batch_put([a, b], [[s], [s + 8192]], [[4096], [4096]]) == [Code.OK, Code.OK]
         keys = [a, b, a, a, b]
         addrs = [[d + i * 8192 + sum(split[:j]) for j in range(len(split))] for i in range(5)]
         assert mooncake_backend.batch_get(keys, addrs, [split] * 5) == [4096] * 5
@@ -536,7 +543,7 @@ def test_prefer_alloc_in_same_node_keeps_the_multi_buffer_calls(
     buf = random_bytes(3 * 4096, seed=23)
     (key,) = unique_keys(1)
     with registered(backend, buf) as a:
-        assert backend.batch_put([key], [[a]], [[4096]]) == [OK]
+        assert backend.batch_put([key], [[a]], [[4096]]) == [Code.OK]
         assert backend.batch_get([key], [[a + 8192]], [[4096]]) == [4096]
     assert np.array_equal(buf[8192:], buf[:4096])
     assert calls.called == ["batch_put_from_multi_buffers", "batch_get_into_multi_buffers"]
@@ -557,7 +564,7 @@ def test_close_is_safe_against_calls_in_flight_and_after(
     keys = unique_keys(32)
     addrs = addr + np.arange(32).reshape(32, 1) * 4096
     sizes = np.full((32, 1), 4096)
-    assert backend.batch_put(keys, addrs, sizes) == [OK] * 32
+    assert backend.batch_put(keys, addrs, sizes) == [Code.OK] * 32
     outcomes: list[str] = []
     running = threading.Barrier(4)
 
@@ -613,8 +620,8 @@ def test_full_store_answers_no_space(
         codes = backend.batch_put(
             keys, a + np.arange(keys_n).reshape(keys_n, 1) * MiB, np.full((keys_n, 1), MiB)
         )
-    assert set(codes) == {OK, NO_SPACE}, codes
-    assert codes.count(NO_SPACE) >= keys_n - 16
+    assert set(codes) == {Code.OK, Code.NO_SPACE}, codes
+    assert codes.count(Code.NO_SPACE) >= keys_n - 16
 
 
 def test_master_killed_raises_unavailable_within_bounded_time(

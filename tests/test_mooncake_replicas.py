@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiokv.backends.base import INVALID, NOT_FOUND, OK
+from aiokv import Code
 from aiokv.backends.mooncake import MooncakeBackend
 from aiokv.backends.mooncake_master import MooncakeMaster
 from aiokv.backends.mooncake_replicas import engine_hostname
@@ -38,7 +38,7 @@ def test_read_from_replicas_reads_the_stored_bytes_into_other_regions(backend: M
             backend.batch_put(
                 keys, [[s + k * 32 * KiB, s + 200 * KiB + k * 4 * KiB] for k in range(3)], sizes
             )
-            == [OK] * 3
+            == [Code.OK] * 3
         )
         # Read back split differently (totals equal): 20 KiB per key into two other regions.
         get_addrs = [[d + k * 64 * KiB, d + k * 64 * KiB + 40 * KiB] for k in range(3)]
@@ -56,13 +56,13 @@ def test_size_mismatch_and_missing_keys_are_answered_without_writing(backend: Mo
     src, dst = random_bytes(64 * KiB, seed=12), np.full(64 * KiB, 0xEE, np.uint8)
     present, absent = unique_keys(2)
     with registered(backend, src) as s, registered(backend, dst) as d:
-        assert backend.batch_put([present], [[s]], [[8 * KiB]]) == [OK]
+        assert backend.batch_put([present], [[s]], [[8 * KiB]]) == [Code.OK]
         codes = backend.read_from_replicas(
             [present, present, absent, present],
             [[d], [d + 16 * KiB], [d + 32 * KiB], [d + 48 * KiB]],
             [[8 * KiB - 1], [8 * KiB + 1], [8 * KiB], [8 * KiB]],
         )
-        assert codes == [INVALID, INVALID, NOT_FOUND, 8 * KiB]
+        assert codes == [Code.INVALID, Code.INVALID, Code.NOT_FOUND, 8 * KiB]
     assert (dst[: 48 * KiB] == 0xEE).all()  # a smaller, a larger value region and an absent key: untouched
     assert np.array_equal(dst[48 * KiB : 56 * KiB], src[: 8 * KiB])
 
@@ -72,12 +72,12 @@ def test_unregistered_memory_never_reaches_native_code(backend: MooncakeBackend)
     other = np.full(16 * KiB, 0xEE, np.uint8)  # real memory, never registered
     (key,) = unique_keys(1)
     with registered(backend, src) as s:
-        assert backend.batch_put([key], [[s]], [[4 * KiB]]) == [OK]
+        assert backend.batch_put([key], [[s]], [[4 * KiB]]) == [Code.OK]
         assert (
             backend.read_from_replicas(
                 [key, key], [[int(other.ctypes.data)], [s + 15 * KiB]], [[4 * KiB]] * 2
             )
-            == [INVALID] * 2
+            == [Code.INVALID] * 2
         )
         # No key was proven: neither the master nor a transfer engine was asked (none was even made).
         assert backend._replica_reader is None
@@ -107,7 +107,7 @@ def test_endpoints_and_health(backend: MooncakeBackend) -> None:
     src = random_bytes(8 * KiB, seed=14)
     present, absent = unique_keys(2)
     with registered(backend, src) as s:
-        assert backend.batch_put([present], [[s]], [[4 * KiB]]) == [OK]
+        assert backend.batch_put([present], [[s]], [[4 * KiB]]) == [Code.OK]
     where = backend.replica_endpoints([present, absent])
     assert where[absent] == [] and len(where[present]) == 1
     assert where[present][0].startswith("127.0.0.1:")

@@ -20,12 +20,12 @@ import pytest
 
 from aiokv import (
     BackendUnavailableError,
+    Code,
     KeyNamespace,
     KVWorker,
     LoadResult,
     StoreResult,
 )
-from aiokv.backends.base import NO_SPACE, NOT_FOUND
 from aiokv.backends.mooncake import MooncakeBackend
 from aiokv.backends.mooncake_master import MooncakeMaster, segment_holder
 from aiokv.testing import (
@@ -264,7 +264,7 @@ async def test_load_with_missing_keys_fails_exactly_their_blocks(
         last = await worker.load(tokens, dst_ids)
         assert last.loaded_tokens == 4 * C and last.loaded_chunks == 4
         assert last.failed_block_ids == chunk_blocks(dst, dst_ids, 4, 5)
-        assert last.errors == {NOT_FOUND: 1}
+        assert last.errors == {Code.NOT_FOUND: 1}
         assert_loaded(src, src_ids, dst, dst_ids, 4)
         for g, p in enumerate(per):
             assert dst[g].untouched(dst_ids[g][4 * p : 5 * p])
@@ -278,7 +278,7 @@ async def test_load_with_missing_keys_fails_exactly_their_blocks(
         stats = worker.stats()
     assert middle.loaded_tokens == 2 * C and middle.loaded_chunks == 2
     assert middle.failed_block_ids == chunk_blocks(dst, dst_ids, 2, 5)
-    assert middle.errors == {NOT_FOUND: 2}  # (chunk 2, group 0) and (chunk 4, group 1)
+    assert middle.errors == {Code.NOT_FOUND: 2}  # (chunk 2, group 0) and (chunk 4, group 1)
     assert not middle.ok
     assert_loaded(src, src_ids, dst, dst_ids, 2)
     for g, p in enumerate(per):
@@ -324,11 +324,11 @@ async def test_full_store_fails_chunks_backs_off_stores_and_loads_still_work(
         assert 0 < present.sum() < present.size  # some fitted, some did not
         assert full.failed == int((~present.all(axis=0)).sum())
         assert full.failed_chunks == tuple(np.flatnonzero(~present.all(axis=0)).tolist())
-        assert full.errors == {NO_SPACE: int((~present).sum())}  # one per (chunk, group) refused
+        assert full.errors == {Code.NO_SPACE: int((~present).sum())}  # one per (chunk, group) refused
         assert (full.stored, full.skipped) == (40 - full.failed, 0)
         assert not full.ok
         assert stats["pressure_backoffs"] >= 1
-        assert stats["backend_errors"] == {NO_SPACE: int((~present).sum())}
+        assert stats["backend_errors"] == {Code.NO_SPACE: int((~present).sum())}
 
         # Inside the backoff window: a new prompt fails without any put, and a stored one is skipped.
         puts = stats["backend_calls"]["put"]
@@ -336,7 +336,7 @@ async def test_full_store_fails_chunks_backs_off_stores_and_loads_still_work(
         again = await writer.store(small, small_ids)
         stats = writer.stats()
         assert (refused.stored, refused.skipped, refused.failed) == (0, 0, 2)
-        assert refused.errors == {NO_SPACE: 2 * len(BIG_SPECS)}
+        assert refused.errors == {Code.NO_SPACE: 2 * len(BIG_SPECS)}
         assert (again.stored, again.skipped, again.failed) == (0, 4, 0)
         assert stats["backend_calls"]["put"] == puts
         assert backend.batch_exists(keys_of(later, src, ns)[0]) == [False, False]

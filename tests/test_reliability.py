@@ -20,11 +20,11 @@ from aiokv import (
     AiokvError,
     BackendError,
     BackendUnavailableError,
+    Code,
     KVLayout,
     LoadResult,
     WorkerClosedError,
 )
-from aiokv.backends.base import INVALID, NO_SPACE, NOT_FOUND, TRANSFER_FAILED, UNAVAILABLE
 from aiokv.testing import FaultRule, PagedCache
 from tests.helpers import aiokv_threads, same_exception, wait_until
 from tests.rig import CHUNK, NAMESPACE, SAFETY_S, SPECS, Rig, fault_keys, loop_tasks
@@ -37,14 +37,19 @@ async def test_store_partial_failure_reports_exactly_those_chunks_and_a_retry_pu
     rig = Rig(seed=1)
     tokens = rig.prompt(6)
     src = rig.blocks(6, source=True)
-    bad = {(1, 0): TRANSFER_FAILED, (4, 1): INVALID, (5, 0): UNAVAILABLE, (5, 1): UNAVAILABLE}
+    bad = {
+        (1, 0): Code.TRANSFER_FAILED,
+        (4, 1): Code.INVALID,
+        (5, 0): Code.UNAVAILABLE,
+        (5, 1): Code.UNAVAILABLE,
+    }
     for (chunk, group), code in bad.items():
         rig.backend.add_rule(FaultRule(op="put", keys=fault_keys(rig, tokens, [(chunk, group)]), code=code))
     async with rig.worker() as worker:
         first = await worker.store(tokens, src)
         assert (first.stored, first.skipped, first.failed) == (3, 0, 3)
         assert first.failed_chunks == (1, 4, 5)
-        assert dict(first.errors) == {TRANSFER_FAILED: 1, INVALID: 1, UNAVAILABLE: 2}
+        assert dict(first.errors) == {Code.TRANSFER_FAILED: 1, Code.INVALID: 1, Code.UNAVAILABLE: 2}
         # Exactly the faulted keys are missing; every other key holds its source bytes.
         bad_keys = fault_keys(rig, tokens, list(bad))
         for g in range(2):
@@ -66,7 +71,7 @@ async def test_store_partial_failure_reports_exactly_those_chunks_and_a_retry_pu
     assert (
         stats["chunks"]["stored"] == 6 and stats["chunks"]["failed"] == 3 and stats["chunks"]["skipped"] == 3
     )
-    assert stats["backend_errors"] == {TRANSFER_FAILED: 1, INVALID: 1, UNAVAILABLE: 2}
+    assert stats["backend_errors"] == {Code.TRANSFER_FAILED: 1, Code.INVALID: 1, Code.UNAVAILABLE: 2}
 
 
 @pytest.mark.asyncio
@@ -77,7 +82,7 @@ async def test_load_partial_failure_gives_the_longest_prefix_and_exactly_the_blo
     dst = rig.blocks(6, source=False, spare=2)  # spare ids past the whole chunks must stay untouched
     async with rig.worker() as worker:
         assert (await worker.store(tokens, src)).stored == 6
-        faulted = {(2, 1): TRANSFER_FAILED, (4, 0): NOT_FOUND}
+        faulted = {(2, 1): Code.TRANSFER_FAILED, (4, 0): Code.NOT_FOUND}
         for (chunk, group), code in faulted.items():
             rig.backend.add_rule(
                 FaultRule(op="get", keys=fault_keys(rig, tokens, [(chunk, group)]), code=code)
@@ -86,7 +91,7 @@ async def test_load_partial_failure_gives_the_longest_prefix_and_exactly_the_blo
     assert isinstance(result, LoadResult)
     assert result.loaded_tokens == 2 * CHUNK
     assert result.loaded_chunks == 4
-    assert dict(result.errors) == {TRANSFER_FAILED: 1, NOT_FOUND: 1}
+    assert dict(result.errors) == {Code.TRANSFER_FAILED: 1, Code.NOT_FOUND: 1}
     for g in range(2):
         expected = np.concatenate([rig.chunk_blocks(g, dst[g], c) for c in (2, 4)]).tolist()
         assert list(result.failed_block_ids[g]) == expected
@@ -132,7 +137,9 @@ async def test_two_stores_of_one_chunk_write_it_once_and_both_see_a_writer_failu
     for g in range(2):  # both requests hold the same KV (same prompt), in different blocks
         for region in rig.cache[g].regions:
             region[src_b[g]] = region[src_a[g]]
-    rig.backend.add_rule(FaultRule(op="put", keys=fault_keys(rig, tokens, [(1, 0)]), code=TRANSFER_FAILED))
+    rig.backend.add_rule(
+        FaultRule(op="put", keys=fault_keys(rig, tokens, [(1, 0)]), code=Code.TRANSFER_FAILED)
+    )
     async with rig.worker() as worker:
         a, b = worker.store(tokens, src_a), worker.store(tokens, src_b)
         ra, rb = await a, await b
@@ -149,7 +156,10 @@ async def test_two_stores_of_one_chunk_write_it_once_and_both_see_a_writer_failu
 @pytest.mark.asyncio
 @pytest.mark.parametrize(
     "cause",
-    [RuntimeError("disk on fire"), BackendUnavailableError("master 10.0.0.1:50051 lost", code=UNAVAILABLE)],
+    [
+        RuntimeError("disk on fire"),
+        BackendUnavailableError("master 10.0.0.1:50051 lost", code=Code.UNAVAILABLE),
+    ],
     ids=["exception", "master-loss"],
 )
 async def test_a_put_exception_fails_only_its_batch_and_the_dispatcher_serves_the_next(
@@ -187,7 +197,7 @@ async def test_a_put_exception_fails_only_its_batch_and_the_dispatcher_serves_th
 @pytest.mark.asyncio
 async def test_master_loss_in_exists_fails_the_batch_then_lookups_and_transfers_resume() -> None:
     rig = Rig(seed=6)
-    lost = BackendUnavailableError("master unreachable", code=UNAVAILABLE, address="10.0.0.1:50051")
+    lost = BackendUnavailableError("master unreachable", code=Code.UNAVAILABLE, address="10.0.0.1:50051")
     rule = rig.backend.add_rule(FaultRule(op="exists", exception=lost, times=1))
     tokens, other = rig.prompt(2), rig.prompt(2)
     src, dst = rig.blocks(2, source=True), rig.blocks(2, source=False)
@@ -309,7 +319,7 @@ async def test_cancel_in_prepare_is_immediate_and_no_backend_call_touches_its_bl
             assert fut.done() and fut.cancelled()
         finally:
             gate.set()
-        await wait_until(lambda: not worker._active and rig.backend.in_flight == 0)
+        await wait_until(lambda: worker.requests_in_flight == 0 and rig.backend.in_flight == 0)
         # Nothing started after the cancel: no put or get, so its blocks stayed as they were.
         assert rig.backend.calls_of("put", "get") == []
         for g in range(2):
@@ -408,16 +418,16 @@ async def test_no_space_backs_off_stores_but_not_loads() -> None:
     rig = Rig(seed=23)
     early, full, later = rig.prompt(2), rig.prompt(2), rig.prompt(3)
     early_src, dst = rig.blocks(2, source=True), rig.blocks(2, source=False)
-    rig.backend.add_rule(FaultRule(op="put", keys=fault_keys(rig, full, [(1, 0)]), code=NO_SPACE))
+    rig.backend.add_rule(FaultRule(op="put", keys=fault_keys(rig, full, [(1, 0)]), code=Code.NO_SPACE))
     async with rig.worker(pressure_backoff_s=60.0) as worker:
         assert (await worker.store(early, early_src)).stored == 2
         hit = await worker.store(full, rig.blocks(2, source=True))
-        assert hit.failed_chunks == (1,) and dict(hit.errors) == {NO_SPACE: 1}
+        assert hit.failed_chunks == (1,) and dict(hit.errors) == {Code.NO_SPACE: 1}
         assert worker.stats()["pressure_backoffs"] == 1
         puts_before = len(rig.backend.calls_of("put"))
         # Backing off: a new store is refused without a put; chunks already there still count.
         refused = await worker.store(later, rig.blocks(3, source=True))
-        assert (refused.stored, refused.failed) == (0, 3) and dict(refused.errors) == {NO_SPACE: 6}
+        assert (refused.stored, refused.failed) == (0, 3) and dict(refused.errors) == {Code.NO_SPACE: 6}
         again = await worker.store(early, early_src)
         assert (again.skipped, again.failed) == (2, 0)
         assert len(rig.backend.calls_of("put")) == puts_before
@@ -436,7 +446,7 @@ async def test_no_space_backs_off_stores_but_not_loads() -> None:
 async def test_stores_resume_once_the_backoff_has_passed() -> None:
     rig = Rig(seed=24)
     full, later = rig.prompt(1), rig.prompt(2)
-    rule = rig.backend.add_rule(FaultRule(op="put", code=NO_SPACE, times=1))
+    rule = rig.backend.add_rule(FaultRule(op="put", code=Code.NO_SPACE, times=1))
     async with rig.worker(pressure_backoff_s=0.05) as worker:
         assert (await worker.store(full, rig.blocks(1, source=True))).failed == 1
         assert rig.backend.fired(rule) == 1
@@ -478,8 +488,8 @@ async def test_failures_log_counts_and_codes_never_keys(caplog: pytest.LogCaptur
     rig = Rig(seed=26)
     tokens = rig.prompt(4)
     bad = fault_keys(rig, tokens, [(1, 0), (2, 0), (3, 0)])
-    rig.backend.add_rule(FaultRule(op="put", keys=set(list(bad)[:2]), code=TRANSFER_FAILED))
-    rig.backend.add_rule(FaultRule(op="put", keys=set(list(bad)[2:]), code=INVALID))
+    rig.backend.add_rule(FaultRule(op="put", keys=set(list(bad)[:2]), code=Code.TRANSFER_FAILED))
+    rig.backend.add_rule(FaultRule(op="put", keys=set(list(bad)[2:]), code=Code.INVALID))
     rig.backend.add_rule(FaultRule(op="get", exception=ConnectionError("link down"), times=1))
     caplog.set_level("WARNING", logger="aiokv")
     async with rig.worker() as worker:

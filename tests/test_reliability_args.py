@@ -16,8 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiokv import AiokvError, HashedPrompt, InvalidRequestError, MemoryBackend, WorkerClosedError
-from aiokv.backends.base import INVALID
+from aiokv import AiokvError, Code, HashedPrompt, InvalidRequestError, MemoryBackend, WorkerClosedError
 from aiokv.testing import FaultInjectingBackend, FaultRule
 from tests.mooncake_support import registered, unique_keys
 from tests.rig import CHUNK, OneGroupRig
@@ -223,8 +222,8 @@ def test_zero_width_region_arrays_answer_invalid_per_key_in_the_memory_backend(o
     keys = ["k0", "k1", "k2"]
     call = backend.batch_put if op == "put" else backend.batch_get
     empty = np.zeros((3, 0), dtype=np.int64)
-    assert call(keys, empty, empty) == [INVALID] * 3
-    assert call(keys, [[], [], []], [[], [], []]) == [INVALID] * 3  # the list form agrees
+    assert call(keys, empty, empty) == [Code.INVALID] * 3
+    assert call(keys, [[], [], []], [[], [], []]) == [Code.INVALID] * 3  # the list form agrees
     assert len(backend) == 0
 
 
@@ -234,8 +233,8 @@ def test_zero_width_region_arrays_answer_invalid_per_key_in_mooncake(mooncake_ba
     keys = unique_keys(3, "zero-width")
     empty = np.zeros((3, 0), dtype=np.int64)
     with registered(mooncake_backend, buffer):
-        assert mooncake_backend.batch_put(keys, empty, empty) == [INVALID] * 3
-        assert mooncake_backend.batch_get(keys, empty, empty) == [INVALID] * 3
+        assert mooncake_backend.batch_put(keys, empty, empty) == [Code.INVALID] * 3
+        assert mooncake_backend.batch_get(keys, empty, empty) == [Code.INVALID] * 3
         assert mooncake_backend.batch_exists(keys) == [False] * 3
 
 

@@ -25,9 +25,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiokv import KVWorker, MemoryBackend
+from aiokv._engine.call_split import REQUESTS_PER_CALL, call_pieces
 from aiokv._engine.lanes import EXISTS_PIECE_KEYS
 from aiokv._engine.pipeline import INLINE_LOOKUP_CHUNKS
-from aiokv._engine.regions import REQUESTS_PER_CALL, call_pieces
 from aiokv._engine.request import Request
 from aiokv._engine.slices import LoopSlices
 from aiokv.backends.base import (
@@ -38,13 +38,15 @@ from aiokv.backends.base import (
     check_backend,
     keys_per_call,
 )
-from aiokv.bench import cli as bench_cli
 from aiokv.errors import BackendError, InvalidRequestError
 from aiokv.keys import HashedPrompt
 from aiokv.testing import FaultInjectingBackend, FaultRule, GroupCache, same_blocks
+from benchmarks import cli as bench_cli
 
-from .helpers import wait_until
+from .helpers import recording_backend, wait_until
 from .rig import SAFETY_S
+
+pytestmark = pytest.mark.loop_matters  # also on uvloop (tests/conftest.py)
 
 STALL_BOUND_MS = 200.0  # a stall detector: the fixed code's slices are ~2-15 ms of loop CPU
 CHUNK_TOKENS = 16
@@ -440,13 +442,14 @@ async def test_many_small_stores_go_in_calls_of_at_most_requests_per_call_reques
     # one-chunk requests in one call held the loop ~10 ms.
     requests = 3 * REQUESTS_PER_CALL + 7
     cache = GroupCache.allocate(num_regions=1, num_blocks=requests, block_size=CHUNK_TOKENS, block_lens=64)
-    backend = KeyCountingBackend(capacity_bytes=2 * requests * 64 + (1 << 20))
+    backend = recording_backend(capacity_bytes=2 * requests * 64 + (1 << 20))
     prompts = np.random.default_rng(10).integers(0, 128_000, size=(requests, CHUNK_TOKENS), dtype=np.int64)
     async with KVWorker(cache.layout, backend, namespace="cap", chunk_tokens=CHUNK_TOKENS) as worker:
         stores = [worker.store(prompts[i], [np.array([i])]) for i in range(requests)]
         assert [r.stored for r in await asyncio.gather(*stores)] == [1] * requests
-    assert sum(backend.put_keys) == requests
-    assert max(backend.put_keys) <= REQUESTS_PER_CALL  # one key per request here
+    put_keys = [len(call.keys) for call in backend.calls_of("put")]
+    assert sum(put_keys) == requests
+    assert max(put_keys) <= REQUESTS_PER_CALL  # one key per request here
 
 
 @settings(max_examples=200, deadline=None)
@@ -496,29 +499,20 @@ def test_keys_per_call_caps_the_keys_of_a_call_whatever_its_pairs() -> None:
     assert keys_per_call(2048, 1) == 2048  # the backend's own bound, when lower, still rules
 
 
-class KeyCountingBackend(MemoryBackend):
-    def __init__(self, capacity_bytes: int) -> None:
-        super().__init__(capacity_bytes)
-        self.put_keys: list[int] = []
-
-    def batch_put(self, keys: Sequence[str], addrs: Regions, sizes: Regions) -> list[int]:
-        self.put_keys.append(len(keys))
-        return super().batch_put(keys, addrs, sizes)
-
-
 @pytest.mark.asyncio
 async def test_a_long_prompt_is_put_in_calls_of_at_most_max_keys_per_call() -> None:
     chunks = 3 * MAX_KEYS_PER_CALL + 5
     cache = GroupCache.allocate(num_regions=1, num_blocks=chunks, block_size=CHUNK_TOKENS, block_lens=64)
-    backend = KeyCountingBackend(capacity_bytes=2 * chunks * 64 + (1 << 20))
+    backend = recording_backend(capacity_bytes=2 * chunks * 64 + (1 << 20))
     tokens = np.random.default_rng(8).integers(0, 128_000, size=chunks * CHUNK_TOKENS, dtype=np.int64)
     async with KVWorker(cache.layout, backend, namespace="cap", chunk_tokens=CHUNK_TOKENS) as worker:
         result = await worker.store(tokens, [np.arange(chunks)])
         assert result.stored == chunks
         assert await worker.lookup(tokens) == chunks * CHUNK_TOKENS
-    assert sum(backend.put_keys) == chunks
-    assert max(backend.put_keys) <= MAX_KEYS_PER_CALL
-    assert max(backend.put_keys) > REQUESTS_PER_CALL  # one request's keys are not cut by the request cap
+    put_keys = [len(call.keys) for call in backend.calls_of("put")]
+    assert sum(put_keys) == chunks
+    assert max(put_keys) <= MAX_KEYS_PER_CALL
+    assert max(put_keys) > REQUESTS_PER_CALL  # one request's keys are not cut by the request cap
 
 
 def test_an_embedded_put_allocates_no_tracked_object_per_key() -> None:

@@ -21,7 +21,7 @@ from aiokv.testing import FaultRule
 from tests.helpers import aiokv_threads
 from tests.rig import OneGroupRig
 
-pytestmark = pytest.mark.usefixtures("no_cyclic_gc_until_teardown")
+pytestmark = [pytest.mark.usefixtures("no_cyclic_gc_until_teardown"), pytest.mark.loop_matters]
 
 BOUND_S = 3.0  # "finishes within this instead of hanging": hangs in these tests last 8 s or more
 QUICK_S = 1.5  # for what should take a fraction of a second (a deadline of 0.5 s, a cancel)

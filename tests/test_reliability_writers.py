@@ -23,13 +23,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiokv import KVWorker, MemoryBackend, StoreResult
+from aiokv import Code, KVWorker, MemoryBackend, StoreResult
 from aiokv._engine import confirm as confirm_module
 from aiokv._engine.unreadable import UnreadableKeys
 from aiokv.backends import memory as memory_backend
-from aiokv.backends.base import NOT_FOUND, TRANSFER_FAILED, backend_traits, check_backend
+from aiokv.backends.base import backend_traits, check_backend
 from aiokv.backends.mooncake_master import segment_holder
-from aiokv.codes import Code
 from aiokv.testing import SENTINEL, FaultInjectingBackend, FaultRule, PagedCache, chunk_value
 from tests.helpers import chunk_keys, read_value, wait_until
 
@@ -145,7 +144,7 @@ def test_a_memory_backend_key_exists_only_once_its_bytes_are_written(monkeypatch
     try:
         assert pause.entered.wait(30)
         assert backend.batch_exists(keys) == [False, False]
-        assert backend.batch_get(keys, *regions(out)) == [NOT_FOUND, NOT_FOUND]
+        assert backend.batch_get(keys, *regions(out)) == [Code.NOT_FOUND, Code.NOT_FOUND]
         assert backend.batch_put(keys, *regions(second)) == [0, 0]  # being written: success, no copy
         assert backend.batch_exists(keys) == [False, False]
     finally:
@@ -303,9 +302,9 @@ async def test_keys_whose_reads_failed_are_rewritten_by_the_next_store_faults() 
     keys = engines.keys()
     async with engines.worker(0) as dead, engines.worker(1) as live:
         assert (await dead.store(engines.tokens, [engines.src])).stored == WRITERS_CHUNKS
-        backend.add_rule(FaultRule(op="get", keys=set(keys), code=TRANSFER_FAILED, times=1))  # one call
+        backend.add_rule(FaultRule(op="get", keys=set(keys), code=Code.TRANSFER_FAILED, times=1))  # one call
         before = await live.load(engines.tokens, [engines.dst])
-        assert before.loaded_tokens == 0 and before.errors == {TRANSFER_FAILED: WRITERS_CHUNKS}, before
+        assert before.loaded_tokens == 0 and before.errors == {Code.TRANSFER_FAILED: WRITERS_CHUNKS}, before
         backend.clear_calls()
         result = await live.store(engines.tokens, [engines.src])
         assert (result.stored, result.skipped, result.failed) == (WRITERS_CHUNKS, 0, 0), result
@@ -336,12 +335,12 @@ async def test_without_batch_remove_unreadable_keys_are_reported_failed_not_skip
     keys = engines.keys()
     async with engines.worker(0) as dead, engines.worker(1) as live:
         assert (await dead.store(engines.tokens, [engines.src])).stored == WRITERS_CHUNKS
-        recorded.add_rule(FaultRule(op="get", keys={keys[2]}, code=TRANSFER_FAILED, times=1))
+        recorded.add_rule(FaultRule(op="get", keys={keys[2]}, code=Code.TRANSFER_FAILED, times=1))
         before = await live.load(engines.tokens, [engines.dst])
         assert before.loaded_tokens == 2 * CHUNK, before
         result = await live.store(engines.tokens, [engines.src])
     assert result.failed_chunks == (2,) and result.skipped == WRITERS_CHUNKS - 1, result
-    assert result.errors == {TRANSFER_FAILED: 1}, result
+    assert result.errors == {Code.TRANSFER_FAILED: 1}, result
 
 
 _DEAD_WRITER = """

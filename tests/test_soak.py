@@ -18,8 +18,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiokv import BackendError, KeyNamespace, KVWorker, LoadResult, MemoryBackend, StoreResult, chunk_hashes
-from aiokv.backends.base import NO_SPACE, NOT_FOUND, TRANSFER_FAILED
+from aiokv import (
+    BackendError,
+    Code,
+    KeyNamespace,
+    KVWorker,
+    LoadResult,
+    MemoryBackend,
+    StoreResult,
+    chunk_hashes,
+)
 from aiokv.testing import SENTINEL, FaultInjectingBackend, FaultRule, PagedCache
 
 CHUNK = 16
@@ -33,11 +41,11 @@ PER_CHUNK = [CHUNK // g["block_size"] for g in GROUPS]
 
 def fault_rules() -> list[FaultRule]:
     return [
-        FaultRule(op="put", per_key=True, probability=0.04, code=TRANSFER_FAILED),
-        FaultRule(op="put", per_key=True, probability=0.005, code=NO_SPACE),
+        FaultRule(op="put", per_key=True, probability=0.04, code=Code.TRANSFER_FAILED),
+        FaultRule(op="put", per_key=True, probability=0.005, code=Code.NO_SPACE),
         FaultRule(op="put", probability=0.03, exception=RuntimeError, times=4),
-        FaultRule(op="get", per_key=True, probability=0.04, code=NOT_FOUND),
-        FaultRule(op="get", per_key=True, probability=0.02, code=TRANSFER_FAILED),
+        FaultRule(op="get", per_key=True, probability=0.04, code=Code.NOT_FOUND),
+        FaultRule(op="get", per_key=True, probability=0.02, code=Code.TRANSFER_FAILED),
         FaultRule(op="get", probability=0.03, exception=ConnectionError, times=3),
         FaultRule(op="exists", probability=0.02, exception=ConnectionError, times=2),
         FaultRule(op="*", probability=0.2, delay_s=0.0005),

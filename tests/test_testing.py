@@ -8,8 +8,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from aiokv import Backend, BackendError, BackendUnavailableError, MemoryBackend
-from aiokv.backends.base import INVALID, NO_SPACE, NOT_FOUND, TRANSFER_FAILED, UNAVAILABLE
+from aiokv import Backend, BackendError, BackendUnavailableError, Code, MemoryBackend
 from aiokv.testing import (
     BlockingBackend,
     Call,
@@ -103,11 +102,13 @@ def test_without_rules_it_passes_through_and_records(inner: MemoryBackend) -> No
 
 
 def test_list_regions_are_recorded_and_split(inner: MemoryBackend) -> None:
-    backend = FaultInjectingBackend(inner, rules=[FaultRule(op="put", keys={"k1"}, code=TRANSFER_FAILED)])
+    backend = FaultInjectingBackend(
+        inner, rules=[FaultRule(op="put", keys={"k1"}, code=Code.TRANSFER_FAILED)]
+    )
     bufs = Buffers(backend)
     addrs, sizes = bufs.regions(bufs.src.ctypes.data, [0, 1, 2])
     codes = backend.batch_put(KEYS[:3], addrs.tolist(), sizes.tolist())
-    assert codes == [0, TRANSFER_FAILED, 0]
+    assert codes == [0, Code.TRANSFER_FAILED, 0]
     call = backend.calls_of("put")[0]
     assert call.region_counts == (2, 2, 2) and call.nbytes == (64, 64, 64)
     assert call.sent == ("k0", "k2") and call.faulted == ("k1",)
@@ -115,10 +116,10 @@ def test_list_regions_are_recorded_and_split(inner: MemoryBackend) -> None:
 
 
 def test_per_key_put_code_skips_only_the_faulted_keys(inner: MemoryBackend) -> None:
-    rule = FaultRule(op="put", keys={"k1", "k3"}, code=NO_SPACE)
+    rule = FaultRule(op="put", keys={"k1", "k3"}, code=Code.NO_SPACE)
     backend = FaultInjectingBackend(inner, rules=[rule])
     bufs = Buffers(backend)
-    assert bufs.put(backend, KEYS[:5], [0, 1, 2, 3, 4]) == [0, NO_SPACE, 0, NO_SPACE, 0]
+    assert bufs.put(backend, KEYS[:5], [0, 1, 2, 3, 4]) == [0, Code.NO_SPACE, 0, Code.NO_SPACE, 0]
     # The faulted keys never reached the store; the others hold their exact bytes.
     assert inner.batch_exists(KEYS[:5]) == [True, False, True, False, True]
     assert inner.used_bytes == 3 * KEY_BYTES
@@ -134,8 +135,8 @@ def test_per_key_get_code_leaves_the_faulted_keys_bytes_untouched(inner: MemoryB
     backend = FaultInjectingBackend(inner)
     bufs = Buffers(backend)
     assert bufs.put(backend, KEYS[:4], [0, 1, 2, 3]) == [0] * 4
-    backend.add_rule(FaultRule(op="get", keys=lambda key: key in ("k0", "k2"), code=NOT_FOUND))
-    assert bufs.get(backend, KEYS[:4], [0, 1, 2, 3]) == [NOT_FOUND, KEY_BYTES, NOT_FOUND, KEY_BYTES]
+    backend.add_rule(FaultRule(op="get", keys=lambda key: key in ("k0", "k2"), code=Code.NOT_FOUND))
+    assert bufs.get(backend, KEYS[:4], [0, 1, 2, 3]) == [Code.NOT_FOUND, KEY_BYTES, Code.NOT_FOUND, KEY_BYTES]
     assert (bufs.dst_of(0) == Buffers.SENTINEL).all()
     assert (bufs.dst_of(2) == Buffers.SENTINEL).all()
     assert np.array_equal(bufs.dst_of(1), bufs.src_of(1))
@@ -144,9 +145,9 @@ def test_per_key_get_code_leaves_the_faulted_keys_bytes_untouched(inner: MemoryB
 
 
 def test_all_keys_faulted_means_no_inner_call(inner: MemoryBackend) -> None:
-    backend = FaultInjectingBackend(inner, rules=[FaultRule(op="*", code=UNAVAILABLE)])
+    backend = FaultInjectingBackend(inner, rules=[FaultRule(op="*", code=Code.UNAVAILABLE)])
     bufs = Buffers(backend)
-    assert bufs.put(backend, KEYS[:2], [0, 1]) == [UNAVAILABLE, UNAVAILABLE]
+    assert bufs.put(backend, KEYS[:2], [0, 1]) == [Code.UNAVAILABLE, Code.UNAVAILABLE]
     assert backend.batch_exists(KEYS[:2]) == [False, False]
     assert len(inner) == 0
     assert backend.sent_keys("put") == [] and backend.sent_keys("exists") == []
@@ -156,12 +157,12 @@ def test_exists_code_answers_absent(inner: MemoryBackend) -> None:
     backend = FaultInjectingBackend(inner)
     bufs = Buffers(backend)
     bufs.put(backend, KEYS[:3], [0, 1, 2])
-    backend.add_rule(FaultRule(op="exists", keys={"k1"}, code=NOT_FOUND))
+    backend.add_rule(FaultRule(op="exists", keys={"k1"}, code=Code.NOT_FOUND))
     assert backend.batch_exists(KEYS[:4]) == [True, False, True, False]
 
 
 @pytest.mark.parametrize(
-    "exception", [RuntimeError, BackendUnavailableError("master gone", code=UNAVAILABLE), InjectedFault]
+    "exception", [RuntimeError, BackendUnavailableError("master gone", code=Code.UNAVAILABLE), InjectedFault]
 )
 def test_exception_before_the_call_touches_nothing(
     inner: MemoryBackend, exception: BaseException | type[BaseException]
@@ -196,7 +197,7 @@ def test_inner_answering_the_wrong_length_is_an_error() -> None:
         def batch_exists(self, keys: object) -> list[bool]:
             return [True]
 
-    backend = FaultInjectingBackend(Short(), rules=[FaultRule(op="exists", keys={"a"}, code=NOT_FOUND)])
+    backend = FaultInjectingBackend(Short(), rules=[FaultRule(op="exists", keys={"a"}, code=Code.NOT_FOUND)])
     with pytest.raises(BackendError, match="answered 1 values for 2 keys"):
         backend.batch_exists(["a", "b", "c"])
 
@@ -208,7 +209,7 @@ def test_register_rule_refuses_the_buffer(inner: MemoryBackend) -> None:
         backend.register_buffer(data.ctypes.data, data.nbytes)
     # Not registered with the inner store: a put from it is refused there.
     sizes = np.array([[KEY_BYTES]], dtype=np.int64)
-    assert backend.batch_put(["x"], np.array([[data.ctypes.data]]), sizes) == [INVALID]
+    assert backend.batch_put(["x"], np.array([[data.ctypes.data]]), sizes) == [Code.INVALID]
     backend.register_buffer(data.ctypes.data, data.nbytes)
     assert backend.batch_put(["x"], np.array([[data.ctypes.data]]), sizes) == [0]
     assert [c.error is None for c in backend.calls_of("register")] == [False, True]
@@ -218,7 +219,7 @@ def test_probability_is_deterministic_with_a_seed(inner: MemoryBackend) -> None:
     keys = [f"key{i}" for i in range(400)]
 
     def faulted(seed: int) -> tuple[str, ...]:
-        rule = FaultRule(op="exists", per_key=True, probability=0.25, code=NOT_FOUND)
+        rule = FaultRule(op="exists", per_key=True, probability=0.25, code=Code.NOT_FOUND)
         backend = FaultInjectingBackend(inner, rules=[rule], seed=seed)
         answer = backend.batch_exists(keys)
         call = backend.calls_of("exists")[0]
@@ -235,8 +236,8 @@ def test_probability_is_deterministic_with_a_seed(inner: MemoryBackend) -> None:
 
 
 def test_probability_zero_never_fires_and_one_always_does(inner: MemoryBackend) -> None:
-    never = FaultRule(op="exists", probability=0.0, code=NOT_FOUND)
-    always = FaultRule(op="exists", keys={"b"}, code=NOT_FOUND)
+    never = FaultRule(op="exists", probability=0.0, code=Code.NOT_FOUND)
+    always = FaultRule(op="exists", keys={"b"}, code=Code.NOT_FOUND)
     backend = FaultInjectingBackend(inner, rules=[never, always])
     inner_keys = ["a", "b"]
     Buffers(backend)
@@ -248,13 +249,13 @@ def test_probability_zero_never_fires_and_one_always_does(inner: MemoryBackend) 
 
 
 def test_times_counts_calls_or_keys(inner: MemoryBackend) -> None:
-    per_call = FaultRule(op="exists", times=2, code=NOT_FOUND)
+    per_call = FaultRule(op="exists", times=2, code=Code.NOT_FOUND)
     backend = FaultInjectingBackend(inner, rules=[per_call])
     for _ in range(4):
         backend.batch_exists(["a", "b", "c"])
     assert [len(c.faulted) for c in backend.calls_of("exists")] == [3, 3, 0, 0]
 
-    per_key = FaultRule(op="exists", per_key=True, times=4, code=NOT_FOUND)
+    per_key = FaultRule(op="exists", per_key=True, times=4, code=Code.NOT_FOUND)
     backend = FaultInjectingBackend(inner, rules=[per_key])
     for _ in range(3):
         backend.batch_exists(["a", "b", "c"])
@@ -270,15 +271,15 @@ def test_first_rule_wins_a_key_and_delays_add_up(
     backend = FaultInjectingBackend(
         inner,
         rules=[
-            FaultRule(op="put", keys={"k0"}, code=TRANSFER_FAILED, delay_s=0.25),
-            FaultRule(op="put", code=NO_SPACE),
+            FaultRule(op="put", keys={"k0"}, code=Code.TRANSFER_FAILED, delay_s=0.25),
+            FaultRule(op="put", code=Code.NO_SPACE),
             FaultRule(op="get", delay_s=0.5),
         ],
     )
     bufs = Buffers(backend)
-    assert bufs.put(backend, KEYS[:2], [0, 1]) == [TRANSFER_FAILED, NO_SPACE]
+    assert bufs.put(backend, KEYS[:2], [0, 1]) == [Code.TRANSFER_FAILED, Code.NO_SPACE]
     assert slept == [0.25]
-    assert bufs.get(backend, KEYS[:1], [0]) == [NOT_FOUND]
+    assert bufs.get(backend, KEYS[:1], [0]) == [Code.NOT_FOUND]
     assert slept == [0.25, 0.5]
 
 

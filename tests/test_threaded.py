@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from aiokv import StoreResult, SyncTransferFuture, ThreadedKVWorker, WorkerClosedError
-from aiokv.bench import cli as bench_cli
 from aiokv.testing import FaultInjectingBackend, PagedCache, same_blocks
+from benchmarks import cli as bench_cli
 
 from .helpers import (
     SAFETY_TIMEOUT_S,

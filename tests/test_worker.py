@@ -21,6 +21,7 @@ import aiokv
 from aiokv import (
     AiokvError,
     BackendError,
+    Code,
     HashedPrompt,
     InvalidRequestError,
     KVLayout,
@@ -30,7 +31,6 @@ from aiokv import (
     StoreResult,
     WorkerClosedError,
 )
-from aiokv.backends.base import NO_SPACE, NOT_FOUND
 from aiokv.testing import (
     SENTINEL,
     FaultInjectingBackend,
@@ -277,7 +277,7 @@ async def test_load_with_a_missing_chunk_fails_exactly_its_blocks_and_later_ones
     assert result.failed_block_ids == tuple(
         tuple(dst_ids[g][2 * per : chunks * per].tolist()) for g, per in enumerate(PER_CHUNK)
     )
-    assert result.errors == {NOT_FOUND: 1}
+    assert result.errors == {Code.NOT_FOUND: 1}
     assert_loaded(src, src_ids, dst, dst_ids, 2)
     for g, per in enumerate(PER_CHUNK):
         # No block outside the request's blocks is written.
@@ -609,9 +609,9 @@ async def test_a_full_store_fails_the_chunks_that_do_not_fit_and_backs_off(src: 
         assert await worker.lookup(tokens) == 3 * C  # nothing already stored was evicted
         stats = worker.stats()
     assert (full.stored, full.skipped, full.failed) == (3, 0, 2)
-    assert full.failed_chunks == (3, 4) and full.errors == {NO_SPACE: 2} and not full.ok
-    assert (during_backoff.stored, during_backoff.failed, during_backoff.errors) == (0, 2, {NO_SPACE: 2})
-    assert stats["backend_errors"] == {NO_SPACE: 2}
+    assert full.failed_chunks == (3, 4) and full.errors == {Code.NO_SPACE: 2} and not full.ok
+    assert (during_backoff.stored, during_backoff.failed, during_backoff.errors) == (0, 2, {Code.NO_SPACE: 2})
+    assert stats["backend_errors"] == {Code.NO_SPACE: 2}
     assert stats["pressure_backoffs"] == 1
     assert stats["chunks"]["failed"] == 4
 

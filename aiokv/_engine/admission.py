@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._arrays import IntArray
-from .regions import Call, GroupRows
+from .call_split import Call, GroupRows
 from .request import Request
 from .tracker import RequestTracker
 

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..breaker import BreakerState, CircuitBreaker
-from ..errors import CircuitOpenError
+from ..errors import _CircuitOpenError
 from ..stats import Kind
 from .tracker import RequestTracker
 
@@ -105,13 +105,18 @@ class BreakerGuard:
         """May a new request of ``kind`` go to the dispatcher? (A refusal is counted.)"""
         return self.breaker.allow(kind.value)
 
-    def admit(self) -> CircuitOpenError | None:
+    def admit(self) -> _CircuitOpenError | None:
         """A lane thread is free for a call: None lets it run; while the breaker is not closed,
         everything queued is answered and the call is refused with the error returned."""
         if self.breaker.poll() is BreakerState.CLOSED or not self.breaker.config.enabled:
             return None
         self.refuse_queued()
-        return CircuitOpenError("circuit open: " + self.breaker.describe())
+        return _CircuitOpenError("circuit open: " + self.breaker.describe())
+
+    def admits_on_thread(self) -> bool:
+        """Thread-safe: True while :meth:`admit` would let a call run without asking anything of the
+        loop (the breaker closed or disabled); a transfer thread then admits its call itself."""
+        return not self.breaker.config.enabled or self.breaker.poll() is BreakerState.CLOSED
 
     def refuse_queued(self) -> None:
         """Answer every request no backend call is using now (each refusal counted per kind)."""

@@ -7,9 +7,11 @@ computation, which hold no caller memory) and ``LOOKUP`` (one daemon thread: the
 lookups, a few keys each, answered while a batch's 62,500-key check or 10,000 requests' regions are
 still being computed).
 
-A call waits for a free thread of its lane *on the loop*, not in an executor queue: only when a
-thread is free is the call's go-ahead asked (:meth:`Lanes.run_gated`), so a request cancelled or
-timed out while its calls wait never has them started. On :meth:`Lanes.terminate`, calls waiting for
+A call's go-ahead is asked only when a thread of its lane is free for it, so a request cancelled or
+timed out while its calls wait never has them started: a control or lookup call waits for its thread
+on the loop (:meth:`Lanes.run_gated`); a transfer thread takes its next call itself and admits it
+under the tracker's lock, or asks the loop when it cannot (:meth:`Lanes.run_transfer`,
+:mod:`.transfer_threads`). On :meth:`Lanes.terminate`, calls waiting for
 a thread fail with ``WorkerClosedError``; running transfer calls finish (they may touch caller
 memory); a running control or lookup call is abandoned: its awaiter fails at once, its thread
 finishes the call in the background and its result is dropped (a daemon thread, so not even
@@ -27,14 +29,15 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from ..errors import WorkerClosedError
 from .slices import PIECE_KEYS, LoopSlice, pieces
+from .transfer_threads import TransferItem, TransferThreads
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -62,17 +65,27 @@ EXISTS_PIECE_KEYS = 8192
 
 class Lanes:
     def __init__(
-        self, transfer_threads: int, admit: Callable[[], BaseException | None] | None = None
+        self,
+        transfer_threads: int,
+        admit: Callable[[], BaseException | None] | None = None,
+        *,
+        lock: threading.RLock | None = None,
+        admits_on_thread: Callable[[], bool] | None = None,
     ) -> None:
         # admit: asked on the loop once a thread is free for a call; an exception refuses the call (the
         # circuit breaker: calls that waited for a thread while the store went away are not sent).
+        # admits_on_thread: the same question, thread-safe, asked by a transfer thread before a call's
+        # fast admission (False: the call is admitted on the loop, where ``admit`` answers).
+        # lock: the tracker's, held by a transfer thread admitting a call (:mod:`.transfer_threads`).
         self._admit = admit
+        self._admits_on_thread = admits_on_thread
+        self._transfer = TransferThreads(transfer_threads, lock if lock is not None else threading.RLock())
         self._executors: dict[Lane, Any] = {
-            Lane.TRANSFER: ThreadPoolExecutor(transfer_threads, thread_name_prefix="aiokv"),
+            Lane.TRANSFER: self._transfer,
             Lane.CONTROL: DaemonThread("aiokv-control_0"),
             Lane.LOOKUP: DaemonThread("aiokv-lookup_0"),
         }
-        self._slots = {Lane.TRANSFER: Slots(transfer_threads), Lane.CONTROL: Slots(1), Lane.LOOKUP: Slots(1)}
+        self._slots = {Lane.CONTROL: Slots(1), Lane.LOOKUP: Slots(1)}
         self._abandonable: set[asyncio.Future[Any]] = set()  # control and lookup calls awaited now
         self._terminated = False
 
@@ -116,52 +129,111 @@ class Lanes:
     async def run_gated(self, lane: Lane, gate: Callable[[], Admitted[T] | None]) -> T | None:
         """Wait for a free thread of ``lane``, then ask ``gate`` (on the loop) what to run: None
         starts nothing (and answers None); else its call runs, and its end callback runs on the loop
-        once the thread returns from it."""
-        slots = self._slots[lane]
-        await slots.acquire()
-        if self._terminated:  # terminated between the slot's release and this task's wake-up
-            slots.release()
-            raise WorkerClosedError("the worker was terminated before the call ran")
-        refusal = self._admit() if self._admit is not None else None
-        if refusal is not None:
-            slots.release()
-            raise refusal
-        try:
-            admitted = gate()
-        except BaseException:
-            slots.release()
-            raise
-        if admitted is None:
-            slots.release()
-            return None
-        call, on_end = admitted
+        once the thread returns from it.
+
+        A call waiting for a thread is started by the callback in which the thread's previous call
+        ends (one hop from the thread to the loop, no turn of the loop in between): the thread waits
+        for the loop once per call, not for the awaiting task to be scheduled as well."""
+        if lane is Lane.TRANSFER:
+            return await self.run_transfer(None, gate)
         loop = asyncio.get_running_loop()
-
-        def ended() -> None:
-            slots.release()
-            on_end()
-
-        def returned(_: concurrent.futures.Future[T]) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to tell
-                loop.call_soon_threadsafe(ended)
-
-        done = self._executors[lane].submit(call)
-        done.add_done_callback(returned)
-        future = asyncio.wrap_future(done)
-        if lane in _ABANDONABLE:
-            self._abandonable.add(future)
+        outcome: asyncio.Future[T | None] = loop.create_future()
+        pending = _Pending(gate, outcome)
+        if self._slots[lane].take(pending) and not self._start(lane, pending):
+            self._hand_on(lane)
         try:
-            return await future
+            return await outcome
         except asyncio.CancelledError:
             # terminate() cancels the control and lookup calls awaited now (abandoned) and drops calls still
             # queued in an executor: they fail like a call that raised, instead of cancelling the
             # batch awaiting them (which would leave its requests unfinished forever).
             task = asyncio.current_task()
-            if self._terminated and future.cancelled() and (task is None or not task.cancelling()):
+            if self._terminated and outcome.cancelled() and (task is None or not task.cancelling()):
                 raise WorkerClosedError("the worker was terminated before the call returned") from None
             raise
         finally:
-            self._abandonable.discard(future)
+            self._abandonable.discard(outcome)
+
+    async def run_transfer(
+        self, fast: Callable[[], Admitted[T] | None] | None, gate: Callable[[], Admitted[T] | None]
+    ) -> T | None:
+        """A call on a transfer thread (:mod:`.transfer_threads`): the thread that takes it asks
+        ``fast`` (on the thread, holding the tracker's lock; None declines), else ``gate`` on the loop
+        as :meth:`run_gated` does; answers as :meth:`run_gated`."""
+        if self._terminated:
+            raise WorkerClosedError("the worker was terminated before the call ran")
+        loop = asyncio.get_running_loop()
+        outcome: asyncio.Future[T | None] = loop.create_future()
+        on_thread = self._admits_on_thread
+
+        def fast_admission() -> Admitted[T] | None:
+            if fast is None or (on_thread is not None and not on_thread()):
+                return None
+            return fast()
+
+        def full_gate() -> Admitted[T] | None:
+            if self._terminated:
+                raise WorkerClosedError("the worker was terminated before the call ran")
+            refusal = self._admit() if self._admit is not None else None
+            if refusal is not None:
+                raise refusal
+            return gate()
+
+        self._transfer.submit(TransferItem(fast_admission, full_gate, outcome, loop))
+        return await outcome
+
+    def _start(self, lane: Lane, pending: _Pending[Any]) -> bool:
+        """``pending`` holds a slot of ``lane``: ask its gate and submit its call. False: nothing was
+        submitted, and the slot is free again."""
+        outcome = pending.outcome
+        try:
+            if self._terminated:  # terminated between the slot's release and now
+                raise WorkerClosedError("the worker was terminated before the call ran")
+            refusal = self._admit() if self._admit is not None else None
+            if refusal is not None:
+                raise refusal
+            admitted = pending.gate()
+        except BaseException as exc:
+            if not outcome.done():
+                outcome.set_exception(exc)
+            return False
+        if admitted is None:
+            if not outcome.done():
+                outcome.set_result(None)
+            return False
+        call, on_end = admitted
+        loop = asyncio.get_running_loop()
+
+        def ended(done: concurrent.futures.Future[T]) -> None:
+            self._hand_on(lane)  # first: the next call's thread is idle until then
+            on_end()
+            if outcome.done():  # cancelled meanwhile
+                return
+            if done.cancelled():
+                outcome.cancel()
+            elif (error := done.exception()) is not None:
+                outcome.set_exception(error)
+            else:
+                outcome.set_result(done.result())
+
+        def returned(done: concurrent.futures.Future[T]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is left to tell
+                loop.call_soon_threadsafe(ended, done)
+
+        done = self._executors[lane].submit(call)
+        done.add_done_callback(returned)
+        # A cancelled awaiter (terminate(), or its task) drops the call if it has not started yet.
+        outcome.add_done_callback(lambda f: done.cancel() if f.cancelled() else None)
+        if lane in _ABANDONABLE:
+            self._abandonable.add(outcome)
+        return True
+
+    def _hand_on(self, lane: Lane) -> None:
+        """A slot of ``lane`` is free: start the next waiting call on it, or keep it free."""
+        slots = self._slots[lane]
+        while (pending := slots.release()) is not None:
+            if self._start(lane, pending):
+                return
 
     def terminate(self) -> None:
         """Take no more calls; fail those waiting for a thread; abandon running control and lookup
@@ -201,43 +273,47 @@ def _nothing() -> None:
     pass
 
 
+@dataclass(slots=True)
+class _Pending(Generic[T]):
+    """A call waiting for a thread: its gate, and the future its awaiter waits on."""
+
+    gate: Callable[[], Admitted[T] | None]
+    outcome: asyncio.Future[T | None]
+
+
 class Slots:
     """The free threads of a lane, handed out on the loop in the order asked for."""
 
     def __init__(self, count: int) -> None:
         self._free = count
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._waiters: deque[_Pending[Any]] = deque()
         self._failed = False
 
-    async def acquire(self) -> None:
+    def take(self, pending: _Pending[Any]) -> bool:
+        """True: a slot is ``pending``'s now. False: it waits, and :meth:`release` hands it one."""
         if self._failed:
             raise WorkerClosedError("the worker was terminated before the call ran")
         if self._free > 0 and not self._waiters:
             self._free -= 1
-            return
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                self.release()  # handed a slot, then cancelled before using it: pass it on
-            raise
+            return True
+        self._waiters.append(pending)
+        return False
 
-    def release(self) -> None:
+    def release(self) -> _Pending[Any] | None:
+        """A slot is free: the first waiter still awaited gets it (returned), else it stays free."""
         while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)
-                return
+            pending = self._waiters.popleft()
+            if not pending.outcome.done():  # a cancelled awaiter is skipped
+                return pending
         self._free += 1
+        return None
 
     def fail_waiters(self) -> None:
         self._failed = True
         while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_exception(WorkerClosedError("the worker was terminated before the call ran"))
+            outcome = self._waiters.popleft().outcome
+            if not outcome.done():
+                outcome.set_exception(WorkerClosedError("the worker was terminated before the call ran"))
 
 
 _Work = tuple[concurrent.futures.Future[Any], Callable[[], Any]]

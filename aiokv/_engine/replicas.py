@@ -1,9 +1,10 @@
 """Gets that failed -800 read once more from another replica, inside the same backend call.
 
-With ``replica_num > 1`` Mooncake keeps reading a dead node's replica for ~10 s, until its master drops
-the node; :meth:`MooncakeBackend.read_from_replicas` reads the live one instead. The retry runs in the
-transfer thread right after the get, as part of the one call the tracker admitted: the request is
-*transferring* throughout, so no cancel or deadline settles it while the retry writes its blocks.
+For a key stored with more than one replica, Mooncake keeps reading a dead node's replica for ~10 s,
+until its master drops the node; :meth:`MooncakeBackend.read_from_replicas` reads the live one instead.
+The retry runs in the transfer thread right after the get, as part of the one call the tracker admitted:
+the request is *transferring* throughout, so no cancel or deadline settles it while the retry writes its
+blocks.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ ReadFromReplicas = Callable[[Sequence[str], Any, Any], Sequence[int]]
 
 
 def replica_reader(backend: object) -> ReadFromReplicas | None:
-    """The backend's ``read_from_replicas`` when it has one and stores more than one replica."""
+    """The backend's ``read_from_replicas`` when it has one, whatever its own ``replica_num``: how many
+    replicas a key has is the stored object's (its writer's) setting, which the backend asks the master
+    for (issue 25 part 4)."""
     read = getattr(backend, "read_from_replicas", None)
-    replicas = getattr(getattr(backend, "config", None), "replica_num", 1)
-    return read if callable(read) and isinstance(replicas, int) and replicas > 1 else None
+    return read if callable(read) else None
 
 
 class RetryingGet:

@@ -19,16 +19,13 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .._arrays import IntArray
 from ..futures import TransferFuture
 from ..keys import TokenIds
 from ..stats import Kind
 from .batch_keys import Cycle, KeyArray, Keys
-
-if TYPE_CHECKING:
-    from .tracker import RequestTracker
 
 
 class State(enum.Enum):
@@ -47,12 +44,19 @@ class Wait:
     keys: KeyArray
 
 
+class Canceller(Protocol):
+    """What a request's cancellation asks (the tracker): typed here so that this module needs nothing
+    of the tracker's, which imports this one."""
+
+    def cancel(self, request: Request, /) -> bool: ...
+
+
 @dataclass(eq=False, slots=True)
 class Request:
     id: int
     kind: Kind
     num_chunks: int
-    tracker: RequestTracker = field(repr=False)  # what a cancellation of its future asks
+    tracker: Canceller = field(repr=False)  # what a cancellation of its future asks
     submitted: float
     future: TransferFuture[Any] = field(init=False, repr=False)  # set at once: it cancels through self
     tokens: TokenIds | None = None  # until hashed

@@ -15,7 +15,7 @@ import logging
 import numpy as np
 
 from .._arrays import IntArray
-from ..backends.base import NOT_FOUND, backend_traits
+from ..backends.base import backend_traits
 from ..codes import Code
 from ..stats import Op
 from .answers import batch_error
@@ -89,7 +89,7 @@ class Rewrites:
             logger.warning("aiokv: batch_remove of %d unreadable keys failed: %s", len(keys), exc)
             cycle.outcome[positions] = Code.BACKEND_EXCEPTION
             return positions, batch_error("batch_remove", exc)
-        bad = (codes < 0) & (codes != NOT_FOUND)
+        bad = (codes < 0) & (codes != Code.NOT_FOUND)
         logger.info("aiokv: rewriting %d keys whose reads failed", len(keys) - int(bad.sum()))
         cycle.outcome[positions[bad]] = codes[bad]
         return positions[bad], None

@@ -20,7 +20,7 @@ Invariants (stated here once; nothing else writes these fields or settles a futu
    pipeline then sees it ``finished`` and skips it, and :meth:`begin_call` refuses it, so none of its
    calls that has not started ever starts.
 5. A refusal by the circuit breaker (:meth:`refuse`, or :meth:`fail` with a
-   :class:`~aiokv.errors.CircuitOpenError`) is an answer, not an error: a QUEUED request is settled at
+   :class:`~aiokv.errors._CircuitOpenError`) is an answer, not an error: a QUEUED request is settled at
    once (lookups 0; stores and loads a result whose undecided chunks failed ``UNAVAILABLE``), a
    TRANSFERRING one remembers it (``refused``) and is answered so when its calls have returned.
 """
@@ -28,16 +28,36 @@ Invariants (stated here once; nothing else writes these fields or settles a futu
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from typing import Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
 from ..codes import Code
-from ..errors import CircuitOpenError, TransferTimeoutError
+from ..errors import TransferTimeoutError, _CircuitOpenError
 from ..stats import Kind, WorkerStats
 from .request import Request, State
 from .summary import load_result, lookup_length, store_result
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+Method = Callable[Concatenate["RequestTracker", P], R]
+
+
+def _locked(method: Method[P, R]) -> Method[P, R]:
+    """The method runs holding the tracker's lock (a transfer thread may be admitting a call)."""
+
+    @functools.wraps(method)
+    def locked(self: RequestTracker, *args: P.args, **kwargs: P.kwargs) -> R:
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 class RequestTracker:
@@ -45,6 +65,9 @@ class RequestTracker:
         self._stats = stats
         self._chunk_tokens = chunk_tokens
         self.active: set[Request] = set()  # submitted and not DONE
+        # Held by every change of a request's lifecycle made on the loop, and by a transfer thread
+        # admitting its next call itself (:meth:`try_begin_call`, :mod:`.transfer_threads`).
+        self.lock = threading.RLock()
 
     # -- submit ---------------------------------------------------------------------------------
 
@@ -66,6 +89,7 @@ class RequestTracker:
         request.transfer_planned = True
         return True
 
+    @_locked
     def begin_call(self, requests: Iterable[Request]) -> list[bool]:
         """A thread is free to run a call on these requests' memory (each once): per request, True
         if it goes (TRANSFERRING until :meth:`end_call`), False if it was cancelled, timed out or
@@ -79,6 +103,18 @@ class RequestTracker:
             admitted.append(ok)
         return admitted
 
+    def try_begin_call(self, requests: Sequence[Request]) -> bool:
+        """On a transfer thread, holding :attr:`lock`: the whole call goes (every request counted in, as
+        :meth:`begin_call` does) or, if any request was cancelled, timed out or finished meanwhile, none
+        of it does (False: the loop then cuts the call, :meth:`begin_call`)."""
+        if any(request.abandoned for request in requests):
+            return False
+        for request in requests:
+            request.running_calls += 1
+            request.state = State.TRANSFERRING
+        return True
+
+    @_locked
     def end_call(self, requests: Iterable[Request]) -> None:
         """The thread returned from a call :meth:`begin_call` admitted these requests to. A request
         with no call running any more is QUEUED again, and settled now if cancelled or timed out
@@ -90,12 +126,13 @@ class RequestTracker:
                 if request.cancel_requested or request.timed_out:
                     self.settle(request)
 
+    @_locked
     def fail(self, request: Request, error: BaseException) -> None:
         """A step failed for ``request``: settle it now if no call of it is planned, else remember the
         error for :meth:`settle` (the first one wins)."""
         if request.finished:
             return
-        if isinstance(error, CircuitOpenError) or isinstance(error.__cause__, CircuitOpenError):
+        if isinstance(error, _CircuitOpenError) or isinstance(error.__cause__, _CircuitOpenError):
             self.refuse(request)
             return
         if request.state is State.TRANSFERRING or request.transfer_planned:
@@ -104,6 +141,7 @@ class RequestTracker:
         else:
             self._settle_future(request, error=error)
 
+    @_locked
     def settle(self, request: Request) -> None:
         """Finish a request none of whose backend calls runs any more, from what happened to it:
         cancelled, timed out, failed, or its result built from its per-chunk codes."""
@@ -130,6 +168,7 @@ class RequestTracker:
         """A lookup answered without a batch (an empty prompt)."""
         self._settle_future(request, value=length)
 
+    @_locked
     def refuse(self, request: Request) -> None:
         """The circuit breaker is open: answer ``request`` now, or when its running calls return."""
         if request.finished:
@@ -161,6 +200,7 @@ class RequestTracker:
 
     # -- asked by the user and the worker -------------------------------------------------------
 
+    @_locked
     def cancel(self, request: Request) -> bool:
         """``TransferFuture.cancel``: at once if no call may run, else when the calls return."""
         if request.finished:
@@ -171,12 +211,14 @@ class RequestTracker:
             self._settle_future(request, cancelled=True)
         return True
 
+    @_locked
     def terminate(self, error: BaseException) -> None:
         """Fail every request no backend call may touch; the transferring ones end with their calls."""
         for request in list(self.active):
             if request.state is State.QUEUED:
                 self._settle_future(request, error=error)
 
+    @_locked
     def _on_deadline(self, request: Request) -> None:
         request.deadline_handle = None
         if request.finished:

@@ -19,13 +19,16 @@ from .admission import Admission, admit
 from .answers import answer_codes, batch_error
 from .backoff import PressureBackoff
 from .batch_keys import Cycle
+from .call_split import Call, GroupRows, split_calls
 from .config import EngineConfig
 from .lanes import Admitted, Lane, Lanes
 from .plan import Rows
-from .regions import Call, GroupRows, split_calls
 from .replicas import RetryingGet, monotonic_deadline, replica_reader
+from .request import Request
 from .slices import LoopSlice
 from .tracker import RequestTracker
+
+_NO_ROWS: IntArray = np.zeros(0, dtype=np.int64)
 
 
 class GroupTransfer:
@@ -121,14 +124,11 @@ class GroupTransfer:
         all calls at once."""
         admission: Admission | None = None
         retrying: RetryingGet | None = None
+        tracker = self._tracker
+        loop = asyncio.get_running_loop()  # its time() is readable from any thread
 
-        def gate() -> Admitted[object] | None:
-            nonlocal admission
-            admission = admit(call, rows, self._tracker)
-            row_codes[admission.dropped_rows] = Code.WRITER_CANCELLED
-            going, requests = admission.call, admission.requests
-            if going is None:
-                return None
+        def started(going: Call, requests: list[Request]) -> Admitted[object]:
+            """The call to run and its end, for the requests counted in (the tracker's lock held)."""
             self._stats.backend_calls[going.op] += 1
             backend = self._config.backend
             method: Callable[[Sequence[str], Any, Any], Any] = (
@@ -138,16 +138,36 @@ class GroupTransfer:
             if read is not None:
                 nonlocal retrying
                 whens = [r.deadline_handle.when() for r in requests if r.deadline_handle is not None]
-                loop_now = asyncio.get_running_loop().time()
-                method = retrying = RetryingGet(method, read, monotonic_deadline(whens, loop_now))
+                method = retrying = RetryingGet(method, read, monotonic_deadline(whens, loop.time()))
             return (
                 lambda: method(going.keys.tolist(), going.addrs, going.sizes),  # a list for the call only
-                lambda: self._tracker.end_call(requests),
+                lambda: tracker.end_call(requests),
             )
+
+        call_requests = [rows.plan[j].request for j in np.unique(rows.plan_of_row[call.rows]).tolist()]
+
+        def fast() -> Admitted[object] | None:
+            """On the transfer thread, holding the tracker's lock: the whole call goes, or the loop
+            decides (:meth:`gate`)."""
+            nonlocal admission
+            if not tracker.try_begin_call(call_requests):
+                return None
+            admission = Admission(call, call_requests, _NO_ROWS)
+            return started(call, call_requests)
+
+        def gate() -> Admitted[object] | None:
+            nonlocal admission
+            admission = admit(call, rows, tracker)
+            row_codes[admission.dropped_rows] = Code.WRITER_CANCELLED
+            going, requests = admission.call, admission.requests
+            if going is None:
+                return None
+            with tracker.lock:  # the counters transfer threads also write
+                return started(going, requests)
 
         answer: object
         try:
-            answer = await self._lanes.run_gated(Lane.TRANSFER, gate)
+            answer = await self._lanes.run_transfer(fast, gate)
         except Exception as exc:
             if admission is None:  # terminate() failed it before it started
                 row_codes[call.rows] = Code.BACKEND_EXCEPTION

@@ -20,14 +20,6 @@ from typing import Final, Protocol, Self, runtime_checkable
 from ..codes import Code, code_name
 from ._regions import Regions, RegionTable, RegisteredMemory, check_keys
 
-# The status codes backends answer, as plain ints (their names: aiokv.codes.Code).
-OK: Final = int(Code.OK)
-NO_SPACE: Final = int(Code.NO_SPACE)  # store full (Mooncake NO_AVAILABLE_HANDLE)
-INVALID: Final = int(Code.INVALID)  # bad argument, or a region outside registered memory
-NOT_FOUND: Final = int(Code.NOT_FOUND)  # key absent (Mooncake OBJECT_NOT_FOUND)
-TRANSFER_FAILED: Final = int(Code.TRANSFER_FAILED)  # size mismatch or transfer error (Mooncake TRANSFER_FAIL)
-UNAVAILABLE: Final = int(Code.UNAVAILABLE)  # store unreachable (Mooncake RPC_FAIL)
-
 # A binding converting this many (address, size) pairs holds the GIL ~1.5 ms (Mooncake, measured).
 DEFAULT_REGIONS_PER_CALL: Final = 16384
 # The most keys one call carries, whatever its pairs: a backend's per-key Python work holds the GIL for
@@ -44,13 +36,7 @@ __all__ = [
     "DEFAULT_REGIONS_PER_CALL",
     "MAX_KEYS_PER_CALL",
     "MIN_SPLIT_BYTES",
-    "INVALID",
-    "NOT_FOUND",
-    "NO_SPACE",
-    "OK",
     "REQUIRED_METHODS",
-    "TRANSFER_FAILED",
-    "UNAVAILABLE",
     "Backend",
     "BackendTraits",
     "Code",
@@ -82,6 +68,11 @@ class Backend(Protocol):
       handing each to a thread (a thread needing the GIL behind a busy loop waits for it, often
       for milliseconds). Default: False.
 
+    - ``read_lease_s: float``: ``batch_exists`` grants each key it finds a read lease of this many
+      seconds (the store neither evicts it nor removes it without ``force`` meanwhile, and no call ends
+      the lease early), so a lookup's hit stays loadable until the load. The worker then bounds what its
+      lookups hold (:class:`aiokv.leases.LeaseBudget`), counting each found chunk this long. Default: 0,
+      no leases (nothing counted).
     - ``batch_remove(keys: Sequence[str], *, force: bool = False) -> list[int]``: drop keys; per key 0,
       ``NOT_FOUND`` (-704) if absent, or a negative code. ``force`` ignores read leases. The worker
       calls it (``force=True``) before rewriting keys that exist but whose reads failed (a dead
@@ -130,6 +121,7 @@ class BackendTraits:
     max_regions_per_call: int
     supports_device_memory: bool
     exists_in_process: bool
+    read_lease_s: float
     can_unregister: bool
     can_remove: bool
 
@@ -150,6 +142,9 @@ def check_backend(backend: object) -> None:
         value = getattr(backend, flag, False)
         if not isinstance(value, bool):
             raise TypeError(f"backend {type(backend).__name__}: {flag} must be a bool, not {value!r}")
+    lease = getattr(backend, "read_lease_s", 0.0)
+    if isinstance(lease, bool) or not isinstance(lease, (int, float)) or not 0 <= lease < float("inf"):
+        raise TypeError(f"backend {type(backend).__name__}: read_lease_s must be seconds >= 0, not {lease!r}")
 
 
 def backend_traits(backend: Backend) -> BackendTraits:
@@ -158,6 +153,7 @@ def backend_traits(backend: Backend) -> BackendTraits:
         max_regions_per_call=getattr(backend, "max_regions_per_call", DEFAULT_REGIONS_PER_CALL),
         supports_device_memory=getattr(backend, "supports_device_memory", False),
         exists_in_process=getattr(backend, "exists_in_process", False),
+        read_lease_s=float(getattr(backend, "read_lease_s", 0.0)),
         can_unregister=callable(getattr(backend, "unregister_buffer", None)),
         can_remove=callable(getattr(backend, "batch_remove", None)),
     )

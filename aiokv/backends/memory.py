@@ -69,8 +69,11 @@ class MemoryBackend(ClosingContext):
         self._writing: set[str] = set()
         self._used = 0  # bytes stored or reserved by puts in progress
         self._heap = _Heap(capacity_bytes)
-        self._readers = 0  # gets copying out of the heap right now
-        self._deferred_frees: list[tuple[int, int]] = []  # freed while read: reused once no get runs
+        # Heap offsets gets are copying out of right now, and how many gets each: a value removed while
+        # read keeps its space until its last reader is done (its size waits in _deferred_frees); the
+        # space of values nobody reads is reused at once (an evicting cache removes while it loads).
+        self._reading: dict[int, int] = {}
+        self._deferred_frees: dict[int, int] = {}
         self._memory = RegisteredMemory()
         self._space: tuple[int, Bytes] | None = None  # (first address, view up to the last end)
         self._closed = False
@@ -199,7 +202,9 @@ class MemoryBackend(ClosingContext):
             if not rows:
                 return codes
             heap = self._heap.buffer  # the heap the values are in, whatever a close() does meanwhile
-            self._readers += 1  # the values' heap space is not reused until the copy is done
+            reading = self._reading
+            for offset in found:  # the values' heap space is not reused until the copy is done
+                reading[offset] = reading.get(offset, 0) + 1
         try:
             sub = select_keys(table, np.asarray(rows, dtype=np.int64))
             value_offsets = np.asarray(found, dtype=np.int64)
@@ -213,12 +218,22 @@ class MemoryBackend(ClosingContext):
             )
         finally:
             with self._lock:
-                self._readers -= 1
-                if not self._readers:
-                    for offset, size in self._deferred_frees:
-                        self._heap.free(offset, size)
-                    self._deferred_frees.clear()
+                self._done_reading(found)
         return codes
+
+    def _done_reading(self, offsets: list[int]) -> None:
+        """(Under the lock.) A get finished copying out of ``offsets``: free the ones removed meanwhile
+        whose last reader it was."""
+        reading, deferred = self._reading, self._deferred_frees
+        for offset in offsets:
+            left = reading.get(offset, 0) - 1  # absent: a close() dropped the heap meanwhile
+            if left > 0:
+                reading[offset] = left
+                continue
+            reading.pop(offset, None)
+            size = deferred.pop(offset, None)
+            if size is not None:
+                self._heap.free(offset, size)
 
     def close(self) -> None:
         """Drop every value and the registered memory; later calls raise. Idempotent."""
@@ -227,6 +242,7 @@ class MemoryBackend(ClosingContext):
             self._values.clear()
             self._space = None
             self._heap = _Heap(self.capacity_bytes)
+            self._reading, self._deferred_frees = {}, {}
             self._used = 0
 
     # -- extras beyond the protocol -------------------------------------------------------------
@@ -255,8 +271,8 @@ class MemoryBackend(ClosingContext):
                     continue
                 offset, size = _unpacked(packed)
                 self._used -= size
-                if self._readers:
-                    self._deferred_frees.append((offset, size))
+                if offset in self._reading:
+                    self._deferred_frees[offset] = size
                 else:
                     self._heap.free(offset, size)
                 codes.append(OK)

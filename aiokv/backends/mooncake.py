@@ -95,7 +95,7 @@ class MooncakeBackend(MooncakeExtras, ClosingContext):
     (master unreachable) raise :class:`~aiokv.errors.BackendUnavailableError` naming the master.
     A put of a key that already exists (or that another client is still writing) keeps the old value
     and reports 0; keys a put fails with -800 are put again up to :attr:`put_retries` times. Beyond the
-    protocol: :class:`~.mooncake_extras.MooncakeExtras` (replica reads, leased lookups, ``health_check``).
+    protocol: :class:`~.mooncake_extras.MooncakeExtras` (replica reads, replica endpoints, ``health_check``).
     """
 
     # The binding converts ~12 us of Python ints per 96-region key while it holds the GIL
@@ -181,6 +181,12 @@ class MooncakeBackend(MooncakeExtras, ClosingContext):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def read_lease_s(self) -> float:
+        """How long a key ``batch_exists`` found stays leased: the master's ``default_kv_lease_ttl``, as
+        configured here (``MooncakeConfig.default_kv_lease_ttl``); the worker bounds its lookups by it."""
+        return self.config.default_kv_lease_ttl / 1000
 
     # -- protocol -------------------------------------------------------------------------------
 

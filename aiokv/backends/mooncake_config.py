@@ -77,6 +77,9 @@ class MooncakeConfig:
     preferred_segments: tuple[str, ...] = ()
     prefer_alloc_in_same_node: bool = False
     with_hard_pin: bool = False
+    # The master's --default_kv_lease_ttl (ms): how long a key an existence check found stays leased.
+    # The client cannot ask the master; the worker counts its lookups' hits this long (aiokv.leases).
+    default_kv_lease_ttl: int = 10_000
 
     def __post_init__(self) -> None:
         for key in _REQUIRED_KEYS:
@@ -114,6 +117,9 @@ class MooncakeConfig:
         if not all(isinstance(segment, str) and segment for segment in segments):
             raise ValueError(f"preferred_segments must hold non-empty strings, got {segments!r}")
         object.__setattr__(self, "preferred_segments", tuple(segments))
+        ttl = self.default_kv_lease_ttl
+        if isinstance(ttl, bool) or not isinstance(ttl, int) or ttl < 0:
+            raise ValueError(f"default_kv_lease_ttl must be milliseconds >= 0 (an int), got {ttl!r}")
         for key in ("prefer_alloc_in_same_node", "with_hard_pin"):
             if not isinstance(getattr(self, key), bool):
                 raise TypeError(f"{key} must be true or false, not {getattr(self, key)!r}")

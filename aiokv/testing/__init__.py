@@ -6,16 +6,15 @@ Like httpx's ``MockTransport``, this ships with aiokv so that aiokv's own tests 
 
     import threading
 
-    from aiokv import KVWorker, MemoryBackend
-    from aiokv.backends.base import NOT_FOUND, TRANSFER_FAILED
+    from aiokv import Code, KVWorker, MemoryBackend
     from aiokv.testing import FaultInjectingBackend, FaultRule
 
     release = threading.Event()
     backend = FaultInjectingBackend(
         MemoryBackend(),
         rules=[
-            FaultRule(op="put", per_key=True, probability=0.1, code=TRANSFER_FAILED),  # ~10% of keys
-            FaultRule(op="get", keys=lambda key: key.endswith(bad_hash), code=NOT_FOUND),
+            FaultRule(op="put", per_key=True, probability=0.1, code=Code.TRANSFER_FAILED),  # ~10% of keys
+            FaultRule(op="get", keys=lambda key: key.endswith(bad_hash), code=Code.NOT_FOUND),
             FaultRule(op="exists", times=1, exception=ConnectionError),  # the first exists raises
             FaultRule(op="put", hang=release),  # puts block until release.set() (30 s at most)
         ],
@@ -62,6 +61,10 @@ Ops are named alike everywhere (rules, records, :meth:`~FaultInjectingBackend.bl
 
 :class:`PagedCache` / :class:`GroupCache` are a toy engine KV cache (NumPy regions of blocks with their
 :class:`~aiokv.KVLayout`); :func:`chunk_value` and :func:`same_blocks` check the bytes a worker moved.
+
+Imported on demand (they need more than aiokv does): :mod:`aiokv.testing.tiny_model` writes small,
+seeded random-weight checkpoints (a Llama, a DeepSeek-style MLA model) for vLLM engines, and
+:mod:`aiokv.testing.cluster` builds a Mooncake cluster in network namespaces.
 """
 
 from __future__ import annotations

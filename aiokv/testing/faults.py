@@ -16,8 +16,8 @@ import numpy as np
 
 from ..backends.base import Backend, Regions, check_backend
 from ..errors import BackendError
-from .plan import Plan, RuleBook
 from .records import Call, region_copy, region_stats, thread_name
+from .rulebook import CallFaults, RuleBook
 from .rules import DATA_OPS, FaultRule, HangExpiredError
 
 logger = logging.getLogger("aiokv.testing")
@@ -333,7 +333,7 @@ class FaultInjectingBackend:
         self._record(Call(op, (), (), (), result=tuple(int(v) for v in answer), thread=thread_name()))
         return answer
 
-    def _delay_and_hang(self, plan: Plan, op: str) -> None:
+    def _delay_and_hang(self, plan: CallFaults, op: str) -> None:
         if plan.delay_s:
             time.sleep(plan.delay_s)
         for event, max_wait in plan.hangs:

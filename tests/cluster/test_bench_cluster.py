@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from aiokv.bench.cluster import main
+from benchmarks.cluster import main
 
 from .support import require_cluster
 

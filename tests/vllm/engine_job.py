@@ -27,7 +27,12 @@ def _summary(output: Any) -> dict[str, Any]:
     completion = output.outputs[0]
     tokens = list(completion.token_ids)
     logprobs = [lp[t].logprob for lp, t in zip(completion.logprobs or [], tokens, strict=False)]
-    return {"tokens": tokens, "logprobs": logprobs, "cached": output.num_cached_tokens}
+    # The two most likely tokens at each position, most likely first: a near-tie shows in their gap.
+    top = [
+        sorted(([int(k), v.logprob] for k, v in lp.items()), key=lambda kv: -kv[1])[:2]
+        for lp in completion.logprobs or []
+    ]
+    return {"tokens": tokens, "logprobs": logprobs, "top": top, "cached": output.num_cached_tokens}
 
 
 def main(job_path: str, out_path: str) -> None:
@@ -69,7 +74,7 @@ def main(job_path: str, out_path: str) -> None:
                 detokenize=False,
                 ignore_eos=True,
                 max_tokens=step.get("max_tokens", 8),
-                logprobs=0 if step.get("logprobs", True) else None,
+                logprobs=2 if step.get("logprobs", True) else None,
             )
             prompts = [TokensPrompt(prompt_token_ids=p) for p in step["prompts"]]
             began = time.monotonic()

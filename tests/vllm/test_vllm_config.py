@@ -23,7 +23,7 @@ def test_defaults_and_every_key_checked() -> None:
     assert (config.backend, config.key_format, config.chunk_blocks, config.load_async) == (
         "mooncake",
         "aiokv",
-        4,
+        1,
         True,
     )
     assert ConnectorConfig.from_extra_config({"key_format": "vllm"}).chunk_blocks == 1

@@ -2,7 +2,9 @@
 cache. Prompts are stored, vLLM's prefix cache is dropped, and the prompts come back from the store,
 one alone and four sharing a prefix at once (synchronous loads, so the four compute in one step, as
 in the reference run). Outputs equal those of vLLM reusing its own KV for the same tokens (the same
-split into reused and computed tokens, and the same batches, so even the logprobs match bitwise)."""
+split into reused and computed tokens, and the same batches): the same greedy tokens, logprobs within
+the spread this CPU shows between computing a prompt whole and behind its cached prefix (the control,
+``support.greedy_tolerance``: nothing on AMX CPUs)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,17 @@ from typing import Any
 
 import pytest
 
-from aiokv.integrations.vllm.tiny_model import write_tiny_llama
-from tests.vllm.support import BLOCK, connector, generate, require_vllm, run_engine, same_outputs, tokens
+from aiokv.testing.tiny_model import write_tiny_llama
+from tests.vllm.support import (
+    BLOCK,
+    assert_same_greedy,
+    connector,
+    generate,
+    greedy_tolerance,
+    require_vllm,
+    run_engine,
+    tokens,
+)
 
 PROMPT = tokens(40, 2100)  # 16 full blocks
 # Each shares 12 blocks with PROMPT and has 4 full blocks of its own: 16 full blocks, 4 chunks.
@@ -59,13 +70,22 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     )
 
 
+def control(run: dict[str, Any]) -> float:
+    """The tolerance from the run's own control: every prompt computed whole, then behind vLLM's own
+    cached prefix, in the same engine."""
+    pairs = [(run["computed"]["outputs"][0], run["warm"]["outputs"][0])]
+    pairs += list(zip(run["shared_first"]["outputs"], run["shared_warm"]["outputs"], strict=True))
+    return greedy_tolerance(pairs)
+
+
 def test_store_evict_reload(run: dict[str, Any]) -> None:
     assert run["evict"] is True  # vLLM's prefix cache was dropped: the hits below are the store's
     (computed,) = run["computed"]["outputs"]
     (warm,) = run["warm"]["outputs"]
     (reloaded,) = run["reloaded"]["outputs"]
     assert computed["cached"] == 0 and warm["cached"] == reloaded["cached"] == 16 * BLOCK
-    assert same_outputs(reloaded, warm) and reloaded["tokens"] == computed["tokens"]
+    assert_same_greedy(reloaded, warm, control(run), "reloaded against warm")
+    assert_same_greedy(reloaded, computed, control(run), "reloaded against computed")
 
 
 def test_concurrent_requests_sharing_a_prefix(run: dict[str, Any]) -> None:
@@ -74,7 +94,8 @@ def test_concurrent_requests_sharing_a_prefix(run: dict[str, Any]) -> None:
     reloaded = run["shared_reloaded"]["outputs"]
     assert [out["cached"] for out in reloaded] == [16 * BLOCK] * 4
     for got, want in zip(reloaded, run["shared_warm"]["outputs"], strict=True):
-        assert want["cached"] == 16 * BLOCK and same_outputs(got, want)
+        assert want["cached"] == 16 * BLOCK
+        assert_same_greedy(got, want, control(run), "a shared-prefix request reloaded")
     assert run["stats"]["events"]["loads_submitted"] == 1 + 1 + 4
 
 
@@ -96,6 +117,7 @@ def async_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "embedded-async",
         steps=[
             generate("computed", [EXACT]),
+            generate("warm", [EXACT]),  # the control: vLLM's own prefix cache reuses 15 blocks
             {"op": "flush"},
             {"op": "evict"},
             generate("reloaded", [EXACT]),
@@ -112,8 +134,10 @@ def test_asynchronous_load_hits_the_whole_prompt(async_run: dict[str, Any]) -> N
     (reloaded,) = async_run["reloaded"]["outputs"]
     assert computed["cached"] == 0 and reloaded["cached"] == 16 * BLOCK
     assert reloaded["tokens"] == computed["tokens"]
-    # Only the last token's KV is computed anew: the logprobs differ at most in the last bits.
-    assert max(abs(a - b) for a, b in zip(reloaded["logprobs"], computed["logprobs"], strict=True)) < 0.05
+    # Only the last token's KV is computed anew; the control: the same prompt behind vLLM's own
+    # cached prefix (15 blocks) against computed whole.
+    (warm,) = async_run["warm"]["outputs"]
+    assert_same_greedy(reloaded, computed, greedy_tolerance([(warm, computed)]), "whole-prompt hit")
     stats = async_run["stats"]
     assert stats["events"]["loads_submitted"] == 1 and stats["events"].get("load_error_blocks", 0) == 0
     assert stats["chunks"]["loaded"] == 4

@@ -14,7 +14,8 @@ private network namespace.
   in every group, so the wrong full-attention values it did load are never used, and outputs are right.
 - F, the same model with the hybrid allocator off (one full-attention group), finds none of A's keys.
 
-A linear-attention model (Qwen3-Next's gated delta net) is refused at start-up, with the reason.
+A linear-attention model (Qwen3-Next's gated delta net) is refused at start-up, with the reason; so is
+the host tier (backend "memory") on the hybrid model.
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ from typing import Any
 
 import pytest
 
-from aiokv.integrations.vllm.tiny_model import write_tiny_sliding_llama
+from aiokv.testing.tiny_model import write_tiny_sliding_llama
 from tests.vllm.support import (
     BLOCK,
     MOONCAKE_ENV,
+    assert_same_greedy,
     connector,
     generate,
+    greedy_tolerance,
     overwrite,
     read_key_log,
     read_value,
@@ -52,9 +55,6 @@ INTEROP_D, INTEROP_E = tokens(66, 1300), tokens(67, 1300)  # 10 full blocks: 1,2
 SHARED_PREFIX = 1536  # 12 of PROMPT's blocks, shared by three concurrent requests
 SHARED = [PROMPT[:SHARED_PREFIX] + tokens(70 + i, 300 + 37 * i) for i in range(3)]
 SWA_KEYS, FULL_KEYS = "hma-g0-swa256", "hma-g1-full"
-# The suite's semantics (tests/vllm/support.py greedy_tolerance on main): twice the spread a control
-# shows on this CPU, within these bounds.
-LOGPROB_TOLERANCE_FLOOR, LOGPROB_TOLERANCE_CAP = 0.02, 0.5
 
 
 @pytest.fixture(scope="module")
@@ -156,36 +156,10 @@ def only(run: dict[str, Any], name: str) -> dict[str, Any]:
     return output
 
 
-def first_difference(got: dict[str, Any], want: dict[str, Any]) -> int:
-    pairs = list(zip(got["tokens"], want["tokens"], strict=True))
-    return next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
-
-
-def logprob_spread(got: dict[str, Any], want: dict[str, Any]) -> float:
-    """The largest logprob difference over the positions with equal tokens so far."""
-    same = first_difference(got, want)
-    pairs = zip(got["logprobs"][:same], want["logprobs"][:same], strict=True)
-    return max((abs(a - b) for a, b in pairs), default=0.0)
-
-
 def tolerance(ref: dict[str, Any]) -> float:
     """Controls: vLLM reusing its own cached blocks vs. computing the whole prompt (equal on CPUs with
     AMX, up to ~0.06 apart with vLLM's "vec" kernels)."""
-    spread = max(logprob_spread(only(ref, f"warm{p}"), only(ref, f"cold{p}")) for p in ("", "_c", "_d", "_e"))
-    return min(max(2 * spread, LOGPROB_TOLERANCE_FLOOR), LOGPROB_TOLERANCE_CAP)
-
-
-def assert_same_greedy(got: dict[str, Any], want: dict[str, Any], limit: float) -> None:
-    """Greedy tokens equal and their logprobs within ``limit``, up to the end or up to a near-tie: a
-    position where the two runs chose different tokens whose logprobs are within ``limit`` (the CPU's
-    numerics alone may pick either; after it the contexts differ). A simpler form of the suite's
-    ``assert_same_greedy`` on main, which also checks that the two tokens are each other's runner-up
-    (this branch's engine job does not record runner-ups)."""
-    same = first_difference(got, want)
-    assert logprob_spread(got, want) <= limit, (got["logprobs"], want["logprobs"], limit)
-    if same < len(got["tokens"]):
-        gap = abs(got["logprobs"][same] - want["logprobs"][same])
-        assert gap <= limit, f"tokens differ from position {same}, not a near-tie: {got} vs {want}"
+    return greedy_tolerance([(only(ref, f"warm{p}"), only(ref, f"cold{p}")) for p in ("", "_c", "_d", "_e")])
 
 
 def test_hybrid_engine_loads_what_another_engine_stored(runs: dict[str, Any]) -> None:
@@ -293,6 +267,22 @@ def test_interop_with_vllms_mooncake_store_connector(
     assert got["cached"] == full
     assert_same_greedy(got, only(reference, "warm_e"), limit)
     assert got["tokens"] == only(reference, "cold_e")["tokens"]
+
+
+def test_host_tier_is_refused_on_hybrid_engines(world: dict[str, Any]) -> None:
+    """The host tier holds one KV cache group's chunks: a hybrid engine with backend "memory" does not
+    start, and says why."""
+    with pytest.raises(AssertionError) as failed:
+        run_engine(
+            world["root"],
+            "hybrid_tier",
+            model=world["model"],
+            kv_transfer_config=connector({"backend": "memory"}),
+            steps=[generate("p", [PROMPT])],
+        )
+    message = str(failed.value)
+    assert "supports models with one KV cache group; this model has 2" in message, message
+    assert "swa256, full" in message, message
 
 
 # A 2-layer Qwen3-Next (gated delta net beside full attention): vLLM 0.32's CPU build runs it, with its

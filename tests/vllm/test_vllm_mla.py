@@ -8,10 +8,10 @@ two prompts, B (TP 1) and D (TP 2) load them. Run inside a private network names
 vLLM turns its own prefix cache off for MLA on CPUs without AMX, and a prompt computed behind a reused
 prefix differs from a whole-prompt computation in the second decimal of the logprobs (the backend's
 context path), so the references run with vLLM's prefix cache kept on (``prefix_cache_job.py``):
-vLLM reuses the same prefix itself, and outputs are compared bitwise. A cross-TP load (a latent
-computed with TP 2, used with TP 1) is close, not bitwise equal: vLLM's TP-1 and TP-2 MLA engines
-already compute different numbers. The model runs in float32 to keep that gap small. A negative
-control (another prompt's KV under a prompt's keys) changes the tokens.
+vLLM reuses the same prefix itself, and outputs are compared (``support.assert_same_greedy``). A
+cross-TP load (a latent computed with TP 2, used with TP 1) is close, not bitwise equal: vLLM's TP-1
+and TP-2 MLA engines already compute different numbers. The model runs in float32 to keep that gap
+small. A negative control (another prompt's KV under a prompt's keys) changes the tokens.
 """
 
 from __future__ import annotations
@@ -20,22 +20,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
-from aiokv.integrations.vllm.tiny_model import write_tiny_deepseek_mla
+from aiokv.testing.tiny_model import write_tiny_deepseek_mla
 from tests.vllm import support
 from tests.vllm.support import (
     MOONCAKE_ENV,
     PARALLEL_ENV,
     TP2_ENGINE,
+    assert_same_greedy,
     connector,
     generate,
+    greedy_tolerance,
     overwrite,
     read_key_log,
     read_value,
     run_engine,
-    same_outputs,
     store_world,
     tokens,
 )
@@ -161,8 +161,10 @@ def test_only_tp_rank_0_writes_the_shared_key(runs: dict[str, Any], mooncake_bac
 def test_tp2_engine_reads_the_shared_key_on_every_rank(runs: dict[str, Any]) -> None:
     got = only(runs["D"], "p")
     assert got["cached"] == HIT
-    assert same_outputs(got, only(runs["ref_tp2"], "warm"))
-    assert got["tokens"] == only(runs["ref_tp2"], "cold")["tokens"]
+    warm, cold = only(runs["ref_tp2"], "warm"), only(runs["ref_tp2"], "cold")
+    tolerance = greedy_tolerance([(warm, cold)])
+    assert_same_greedy(got, warm, tolerance, "D against warm")
+    assert_same_greedy(got, cold, tolerance, "D against cold")
     prompt_keys = set(keys_of(runs["B"], "get"))
     assert len(prompt_keys) == HIT // MLA_BLOCK
     for rank in (0, 1):
@@ -174,8 +176,11 @@ def test_tp1_engine_loads_what_a_tp2_engine_stored(runs: dict[str, Any]) -> None
     """MLA keys carry no TP size: a TP-1 engine loads the latent a TP-2 engine computed."""
     got, want = only(runs["B"], "p"), only(runs["ref_tp1"], "warm")
     assert got["cached"] == HIT
-    assert got["tokens"] == want["tokens"] == only(runs["ref_tp1"], "cold")["tokens"]
-    assert np.allclose(got["logprobs"], want["logprobs"], rtol=0, atol=CROSS_TP_LOGPROB_TOLERANCE)
+    cold = only(runs["ref_tp1"], "cold")
+    # The measured cross-TP gap, or this run's own control if that is wider.
+    tolerance = max(CROSS_TP_LOGPROB_TOLERANCE, greedy_tolerance([(want, cold)]))
+    assert_same_greedy(got, want, tolerance, "TP-1 engine against warm")
+    assert got["tokens"] == cold["tokens"]
 
 
 def test_wrong_latent_changes_the_tokens(runs: dict[str, Any]) -> None:

@@ -5,7 +5,7 @@ own connector and Mooncake client). Engine A stores a prompt; engine B, another 
 shape, loads it; each rank writes and reads only its own shard (keys carry the TP and PP ranks and
 sizes). A TP-1 engine given the TP-2 engines' prompt misses: another TP size holds other shards, so it
 never shares keys. Every output is compared with a run without any connector (vLLM reusing the same
-prefix from its own prefix cache: bitwise equal). Run inside a private network namespace.
+prefix from its own prefix cache; ``support.assert_same_greedy``). Run inside a private network namespace.
 """
 
 from __future__ import annotations
@@ -17,19 +17,20 @@ from typing import Any
 
 import pytest
 
-from aiokv.integrations.vllm.tiny_model import write_tiny_llama
+from aiokv.testing.tiny_model import write_tiny_llama
 from tests.vllm.support import (
     BLOCK,
     MOONCAKE_ENV,
     PARALLEL_ENV,
     TP2_ENGINE,
+    assert_same_greedy,
     connector,
     generate,
+    greedy_tolerance,
     read_key_log,
     read_value,
     require_vllm,
     run_engine,
-    same_outputs,
     store_world,
     tokens,
 )
@@ -64,6 +65,8 @@ def logged(world: dict[str, Any], engine: str) -> tuple[dict[str, Any], dict[str
         {
             "backend": "tests.vllm.support:key_log_mooncake",
             "mooncake_config": str(world["mooncake_config"]),
+            # Keys of several blocks (the default is one per block): what this module counts and sizes.
+            "chunk_blocks": 4,
         }
     )
     return kv, {**MOONCAKE_ENV, "AIOKV_TEST_KEY_LOG": str(world["root"] / f"{engine}.keys.jsonl")}
@@ -100,7 +103,7 @@ def runs(world: dict[str, Any]) -> dict[str, Any]:
     """The references (no connector; TP 2 "cold" and "warm", TP 1 cold), then A (TP 2) stores the
     prompt, B (TP 2, another process) and C (TP 1) are given it."""
     out: dict[str, Any] = {"ref_tp2": reference(world, "ref_tp2", TP2_ENGINE, PARALLEL_ENV)}
-    steps = [generate("cold", [PROMPT])]
+    steps = [generate("cold", [PROMPT]), generate("warm", [PROMPT])]
     out["ref_tp1"] = run_engine(world["root"], "ref_tp1", model=world["model"], steps=steps)
     out |= given_the_prompt(world, "A", TP2_ENGINE, PARALLEL_ENV, stores=True)
     out |= given_the_prompt(world, "B", TP2_ENGINE, PARALLEL_ENV)
@@ -111,6 +114,12 @@ def runs(world: dict[str, Any]) -> dict[str, Any]:
 def only(run: dict[str, Any], name: str) -> dict[str, Any]:
     (output,) = run[name]["outputs"]
     return output
+
+
+def control(ref: dict[str, Any]) -> float:
+    """The logprob tolerance from a reference's own control: the prompt computed whole against behind
+    vLLM's cached prefix (``support.greedy_tolerance``)."""
+    return greedy_tolerance([(only(ref, "warm"), only(ref, "cold"))])
 
 
 def keys_by_rank(entries: list[dict[str, Any]], op: str, rank: str = "tp_rank") -> dict[int, list[str]]:
@@ -125,10 +134,9 @@ def keys_by_rank(entries: list[dict[str, Any]], op: str, rank: str = "tp_rank") 
 def test_tp2_engine_loads_every_full_block_stored_by_another_tp2_engine(runs: dict[str, Any]) -> None:
     got = only(runs["B"], "p")
     assert got["cached"] == 16 * BLOCK
-    # Bitwise equal to vLLM reusing the same 2,048 tokens from its own prefix cache, and the same
-    # tokens as computing the whole prompt.
-    assert same_outputs(got, only(runs["ref_tp2"], "warm"))
-    assert got["tokens"] == only(runs["ref_tp2"], "cold")["tokens"]
+    # As vLLM reusing the same 2,048 tokens from its own prefix cache, and as computing the whole prompt.
+    assert_same_greedy(got, only(runs["ref_tp2"], "warm"), control(runs["ref_tp2"]), "B against warm")
+    assert_same_greedy(got, only(runs["ref_tp2"], "cold"), control(runs["ref_tp2"]), "B against cold")
 
 
 def test_each_tp_rank_stores_and_loads_its_own_shard(runs: dict[str, Any], mooncake_backend: Any) -> None:
@@ -159,7 +167,7 @@ def test_other_tp_size_misses_and_stays_exact(runs: dict[str, Any], mooncake_bac
     got = only(runs["C"], "p")
     assert got["cached"] == 0
     assert not [entry for entry in runs["C_keys"] if entry["op"] == "get"]
-    assert same_outputs(got, only(runs["ref_tp1"], "cold"))
+    assert_same_greedy(got, only(runs["ref_tp1"], "cold"), control(runs["ref_tp1"]), "TP-1 engine")
     tp2_keys = [key for keys in keys_by_rank(runs["A_keys"], "put").values() for key in keys]
     assert all(mooncake_backend.batch_exists(tp2_keys))
     # C stored the prompt under its own TP-1 keys, beside the TP-2 ones.
@@ -180,9 +188,9 @@ def pp_runs(world: dict[str, Any]) -> dict[str, Any]:
 def test_pp2_engine_loads_every_full_block_and_matches(pp_runs: dict[str, Any]) -> None:
     got = only(pp_runs["pp_B"], "p")
     assert got["cached"] == 16 * BLOCK
-    # Bitwise equal to vLLM reusing the same 2,048 tokens itself. (That reuse already changes the
-    # sixth greedy token of a whole-prompt run at PP 2 here, a near tie: so no comparison with it.)
-    assert same_outputs(got, only(pp_runs["ref"], "warm"))
+    # As vLLM reusing the same 2,048 tokens itself. (That reuse already changed the sixth greedy token
+    # of a whole-prompt run at PP 2 on an AMX CPU, a near tie: so no comparison of tokens with it.)
+    assert_same_greedy(got, only(pp_runs["ref"], "warm"), control(pp_runs["ref"]), "PP-2 engine")
 
 
 def test_each_pp_stage_stores_and_loads_its_own_layers(

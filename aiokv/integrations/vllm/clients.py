@@ -1,8 +1,9 @@
 """Backends for the connector: built with bounded waits, shared by both roles of an in-process engine.
 
 With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the scheduler-side and worker-side connectors live in one
-process: they share one backend (one Mooncake client, or the embedded store, which only works so).
-Otherwise each process has its own client; the scheduler's is a pure client (no segment).
+process: they share one backend (one Mooncake client). Otherwise each process has its own client; the
+scheduler's is a pure client (no segment). The host-memory tier (``"memory"``, ``"tiered"``) is not a
+shared backend: each worker holds its own (:mod:`.tier_worker`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from collections.abc import Callable
 from typing import Any
 
 from ...backends.base import Backend
-from ...backends.memory import MemoryBackend
 from .config import ConnectorConfig, mooncake_client_config
 
 logger = logging.getLogger("aiokv.vllm")
@@ -42,8 +42,8 @@ def _new_backend(config: ConnectorConfig, *, pure_client: bool) -> Backend:
         factory = getattr(importlib.import_module(module_name), attr)
         backend: Backend = factory(config, pure_client=pure_client)
         return backend
-    if config.backend == "memory":
-        return MemoryBackend(capacity_bytes=config.memory_capacity)
+    if not config.remote:
+        raise ValueError("backend 'memory' is the host tier alone: there is no store to connect to")
     return new_mooncake_backend(config, pure_client=pure_client)
 
 

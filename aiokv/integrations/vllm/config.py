@@ -19,7 +19,7 @@ from ...backends.mooncake import CONFIG_ENV_VAR, parse_size
 logger = logging.getLogger("aiokv.vllm")
 
 KEY_FORMATS = ("aiokv", "vllm")
-BACKENDS = ("mooncake", "memory")
+BACKENDS = ("mooncake", "memory", "tiered")
 
 # Keys vLLM's MooncakeStoreConnector reads that mean nothing here; accepted so a config can be reused.
 IGNORED_VLLM_KEYS = frozenset(
@@ -75,7 +75,7 @@ class ConnectorConfig:
     backend: str = "mooncake"
     mooncake_config: Mapping[str, Any] | str | None = None
     key_format: str = "aiokv"
-    chunk_blocks: int = 4
+    chunk_blocks: int = 1
     load_async: bool = True
     enable_lookup: bool = True
     save_decode_cache: bool = False
@@ -89,6 +89,17 @@ class ConnectorConfig:
     store_timeout_s: float = 60.0
     setup_retries: int = 2
     executor_threads: int = 1
+
+    @property
+    def host_tier(self) -> bool:
+        """Whether the engine's workers keep a host-memory tier (``"memory"``: alone; ``"tiered"``: in
+        front of Mooncake)."""
+        return self.backend in ("memory", "tiered")
+
+    @property
+    def remote(self) -> bool:
+        """Whether there is a store outside the engine (Mooncake, or a backend of the user's own)."""
+        return self.backend != "memory"
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -114,7 +125,7 @@ class ConnectorConfig:
             raise ValueError(
                 f"kv_connector_extra_config['key_format'] must be one of {KEY_FORMATS}, got {key_format!r}"
             )
-        chunk_blocks = _positive(extra, "chunk_blocks", 1 if key_format == "vllm" else 4, integer=True)
+        chunk_blocks = _positive(extra, "chunk_blocks", 1, integer=True)
         if key_format == "vllm" and chunk_blocks != 1:
             raise ValueError(
                 "key_format 'vllm' stores one key per block (as vLLM's MooncakeStoreConnector does): "
@@ -134,6 +145,11 @@ class ConnectorConfig:
                 raise ValueError(
                     f"kv_connector_extra_config[{key!r}] must be a str without spaces, got {value!r}"
                 )
+        memory_capacity = parse_size(extra.get("memory_capacity", 1 << 30), "memory_capacity")
+        if memory_capacity <= 0:
+            raise ValueError(
+                f"kv_connector_extra_config['memory_capacity'] must be positive, got {memory_capacity}"
+            )
         return cls(
             backend=backend,
             mooncake_config=mooncake,
@@ -144,7 +160,7 @@ class ConnectorConfig:
             save_decode_cache=_bool(extra, "save_decode_cache", False),
             model_name=extra.get("model_name"),
             cache_prefix=extra.get("cache_prefix") or "",
-            memory_capacity=parse_size(extra.get("memory_capacity", 1 << 30), "memory_capacity"),
+            memory_capacity=memory_capacity,
             lookup_timeout_s=float(_positive(extra, "lookup_timeout_s", 5.0)),
             lookup_wait_s=float(_positive(extra, "lookup_wait_s", 0.02)),
             idle_wait_s=float(_non_negative(extra, "idle_wait_s", 0.002)),

@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    KVConnectorWorkerMetadata,
     SupportsHMA,
 )
 from vllm.platforms import current_platform
@@ -26,7 +27,7 @@ from .amx import allow_amx_tiles
 from .config import ConnectorConfig
 from .geometry import EngineGeometry, kv_geometry
 from .keys import key_namespace
-from .metadata import AiokvConnectorMetadata
+from .metadata import AiokvConnectorMetadata, AiokvWorkerMetadata
 from .metrics import AiokvConnectorStats, AiokvPromMetrics
 from .scheduler import SchedulerSide
 from .worker import WorkerSide
@@ -63,6 +64,14 @@ class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         geometry = kv_geometry(kv_cache_config)
+        if geometry.hybrid and self.config.host_tier:
+            # The tier's index and workers hold one group's chunks; per-group tiers are not built.
+            raise ValueError(
+                f"AiokvConnector backend {self.config.backend!r} (the host tier) supports models with one "
+                f"KV cache group; this model has {len(geometry.groups)} (hybrid allocator: "
+                f"{', '.join(group.kind for group in geometry.groups)}): use backend 'mooncake', or disable "
+                "vLLM's hybrid allocator"
+            )
         if transfer.kv_load_failure_policy != "recompute" and role == KVConnectorRole.SCHEDULER:
             logger.warning(
                 "aiokv: kv_load_failure_policy is %r: a request whose KV fails to load errors out; "
@@ -72,7 +81,9 @@ class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(vllm_config, self.config, geometry)
+            self._scheduler = SchedulerSide(
+                vllm_config, self.config, geometry, int(kv_cache_config.num_blocks)
+            )
             _log_key_scope(vllm_config, self.config, geometry)
         else:
             self._worker = WorkerSide(vllm_config, self.config, geometry)
@@ -149,6 +160,12 @@ class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        """The host tier's writes since the last step, for the scheduler's index (host_tier.py)."""
+        tier = self._work().tier
+        report = tier.report() if tier is not None else None
+        return AiokvWorkerMetadata(report) if report is not None else None
 
     def flush(self, timeout: float | None = None) -> bool:
         """Worker side: wait until every store submitted so far is in the store (or failed).

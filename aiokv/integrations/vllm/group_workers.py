@@ -16,6 +16,7 @@ from typing import Any
 from ..._registration import merged_spans
 from ...keys import KeyNamespace
 from ...layout import KVLayout
+from ...leases import LeaseBudget
 from ...threaded import ThreadedKVWorker
 from .clients import safe_call
 
@@ -51,6 +52,7 @@ class GroupWorkers:
         *,
         chunk_tokens: int,
         executor_threads: int,
+        lease_budgets: Sequence[LeaseBudget] | None = None,
     ) -> None:
         self._backend = backend
         self._spans = merged_spans(layouts)
@@ -61,7 +63,9 @@ class GroupWorkers:
                 backend.register_buffer(addr, size)
                 self._registered.append(addr)
             shared = Preregistered(backend, self._spans)
-            for layout, namespace in zip(layouts, namespaces, strict=True):
+            # Each group's lease budget if given (the scheduler's lookup clients), else aiokv's default.
+            budgets = list(lease_budgets) if lease_budgets is not None else [LeaseBudget()] * len(layouts)
+            for layout, namespace, budget in zip(layouts, namespaces, budgets, strict=True):
                 self.workers.append(
                     ThreadedKVWorker(
                         layout,
@@ -69,6 +73,7 @@ class GroupWorkers:
                         namespace=namespace,
                         chunk_tokens=chunk_tokens,
                         executor_threads=executor_threads,
+                        lease_budget=budget,
                     )
                 )
         except BaseException:

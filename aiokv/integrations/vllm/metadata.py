@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from ...keys import HashedPrompt
+from .host_tier import TierReport, TierStep
 
 
 @dataclass(frozen=True)
@@ -36,3 +37,17 @@ class AiokvConnectorMetadata(KVConnectorMetadata):
     sync_loads: bool = False
     # No token is computed this step: the engine only polls for transfers (see WorkerSide.get_finished).
     idle: bool = False
+    # The host tier's orders for this step (see host_tier.py), applied before its transfers.
+    tier: TierStep | None = None
+
+
+@dataclass
+class AiokvWorkerMetadata(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler-side connector each step: the host tier's writes."""
+
+    tier: TierReport
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, AiokvWorkerMetadata):
+            raise TypeError(f"cannot merge AiokvWorkerMetadata with {type(other).__name__}")
+        return AiokvWorkerMetadata(self.tier.merge(other.tier))

@@ -18,6 +18,11 @@ COUNTERS = {
     "bytes_put": "Bytes written to the store",
     "bytes_get": "Bytes read from the store",
     "backend_errors": "Per-chunk error codes answered by the store",
+    "host_tier_hits": "Chunks loaded from the host-memory tier",
+    "host_tier_bytes_read": "Bytes loaded from the host-memory tier",
+    "host_tier_bytes_written": "Bytes written into the host-memory tier (stores and promotions)",
+    "host_tier_evictions": "Chunks dropped from the host-memory tier to make room",
+    "host_tier_promotions": "Chunks loaded from the store behind the host tier and written into it",
 }
 
 

@@ -17,10 +17,12 @@ from typing import Any
 import numpy as np
 
 from ...keys import HashedPrompt
+from ...leases import LeaseBudget
 from .clients import acquire_backend, at_exit, release_backend
 from .config import ConnectorConfig
 from .geometry import EngineGeometry, usable_from
 from .group_workers import GroupWorkers
+from .host_tier import LookupClient, scheduler_tier
 from .keys import hashed_prompt, key_namespace
 from .metadata import AiokvConnectorMetadata, TransferSpec
 
@@ -47,7 +49,9 @@ class _Hit:
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config: Any, config: ConnectorConfig, geometry: EngineGeometry) -> None:
+    def __init__(
+        self, vllm_config: Any, config: ConnectorConfig, geometry: EngineGeometry, cache_blocks: int
+    ) -> None:
         import vllm.envs as envs
 
         self.config = config
@@ -67,13 +71,10 @@ class SchedulerSide:
                 "AiokvConnector: a model with several KV cache groups (hybrid allocator) needs "
                 "load_async true: vLLM recomputes a failed load of such a model only when it is asynchronous"
             )
-        if config.backend == "memory" and (not in_process or vllm_config.parallel_config.world_size > 1):
-            raise ValueError(
-                "AiokvConnector backend 'memory' keeps KV inside one process: run the engine in-process "
-                "(VLLM_ENABLE_V1_MULTIPROCESSING=0) with one worker, or use backend 'mooncake'"
-            )
         self._scratch = np.zeros(geometry.max_page_bytes, dtype=np.uint8)
-        self._backend = acquire_backend(self.engine_id, config, pure_client=not in_process)
+        self._backend = (
+            acquire_backend(self.engine_id, config, pure_client=not in_process) if config.remote else None
+        )
         # One lookup client per KV cache group: a hit is as long as every group can serve.
         self._groups: GroupWorkers | None = None
         if self._backend is not None and self.can_load:
@@ -86,8 +87,19 @@ class SchedulerSide:
                 ],
                 chunk_tokens=self.chunk_tokens,
                 executor_threads=1,
+                # A lookup worker's own layout is one scratch page: its lookups may lease what the
+                # engine's KV cache holds of its group (the default budget would be that one page).
+                lease_budgets=[
+                    LeaseBudget(max_bytes=cache_blocks * group.num_layers * group.page_bytes)
+                    for group in geometry.groups
+                ],
             )
-        self._clients = self._groups.workers if self._groups is not None else []
+        self._clients: list[LookupClient] = list(self._groups.workers) if self._groups is not None else []
+        # Host tier (backend "memory"/"tiered"): its index lives here, see host_tier.py. Single-group
+        # engines only (the connector refuses it on hybrid ones).
+        self._tier = scheduler_tier(vllm_config, config, geometry.groups[0])
+        if self._tier is not None and self.can_load:
+            self._clients = [self._tier.lookup_client(self._clients[0] if self._clients else None)]
         at_exit(self.shutdown)
         self._requests: dict[str, Any] = {}
         self._lookups: dict[str, _Lookup] = {}
@@ -215,6 +227,8 @@ class SchedulerSide:
         spec = self._load_spec(req_id, hit, blocks.get_block_ids(), num_external_tokens)
         self._loads.append(spec)
         self._load_blocks[req_id] = {b for ids in (*spec.block_ids, *spec.unloaded_block_ids) for b in ids}
+        if self._tier is not None:
+            self._tier.on_load(req_id, spec.prompt, asynchronous=self.config.load_async)
         if self.config.load_async:
             self._loading.add(req_id)
         # Loaded chunks are not marked stored: if the load fails they are recomputed, and the store
@@ -272,8 +286,8 @@ class SchedulerSide:
             self._hits.pop(req_id, None)
             self._lookups.pop(req_id, None)
             self._load_blocks.pop(req_id, None)
-        if not self.can_store or self._backend is None:
-            return meta
+        if not self.can_store or (self._backend is None and self._tier is None):
+            return self._with_tier(meta)
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -300,6 +314,12 @@ class SchedulerSide:
             meta.stores.append(self._store_spec(req_id, prompt, table, done, chunks))
             self._stored_chunks[req_id] = chunks
             self._with_stores.add(req_id)
+        return self._with_tier(meta)
+
+    def _with_tier(self, meta: AiokvConnectorMetadata) -> AiokvConnectorMetadata:
+        """The host tier's orders for this step (drops, admitted writes of its stores), if any."""
+        if self._tier is not None:
+            meta.tier = self._tier.on_step(meta.stores)
         return meta
 
     def _store_spec(
@@ -334,6 +354,9 @@ class SchedulerSide:
         for req_id in connector_output.finished_recving or ():
             self._loading.discard(req_id)
             self._load_blocks.pop(req_id, None)
+        if self._tier is not None:
+            worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            self._tier.on_output(getattr(worker_meta, "tier", None), connector_output.finished_recving or ())
 
     def request_finished(self, request: Any) -> bool:
         """Whether the blocks must wait: a store of this request, or its load, may still be in flight.
@@ -351,6 +374,8 @@ class SchedulerSide:
         self._load_failed.discard(req_id)
         loading = req_id in self._loading
         self._loading.discard(req_id)
+        if self._tier is not None and not loading:
+            self._tier.release(req_id)
         stored = req_id in self._with_stores
         self._with_stores.discard(req_id)
         return loading or stored

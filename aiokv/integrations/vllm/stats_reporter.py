@@ -6,10 +6,16 @@ import concurrent.futures
 import contextlib
 import math
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from ...errors import WorkerClosedError
-from ...threaded import ThreadedKVWorker
+from .tier_worker import TIER_COUNTERS
+
+
+class StatsSource(Protocol):
+    """``ThreadedKVWorker``, or the host tier's worker (which adds its own counters)."""
+
+    def stats_soon(self) -> concurrent.futures.Future[dict[str, Any]]: ...
 
 
 def connector_counters(stats: dict[str, Any]) -> dict[str, int]:
@@ -26,6 +32,12 @@ def connector_counters(stats: dict[str, Any]) -> dict[str, int]:
         "bytes_put": moved.get("put", 0),
         "bytes_get": moved.get("get", 0),
         "backend_errors": sum(stats["backend_errors"].values()),
+        # The host tier's own (backends "memory" and "tiered"): the counters above are the store behind's.
+        **{
+            f"host_tier_{key}": value
+            for key, value in stats.get("host_tier", {}).items()
+            if key in TIER_COUNTERS
+        },
     }
 
 
@@ -38,7 +50,7 @@ class StatsReporter:
     never lost, only reported up to one call later.
     """
 
-    def __init__(self, worker: ThreadedKVWorker, interval_s: float = 1.0) -> None:
+    def __init__(self, worker: StatsSource, interval_s: float = 1.0) -> None:
         self._worker = worker
         self._interval_s = interval_s
         self._asked_at = -math.inf

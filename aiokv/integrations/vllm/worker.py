@@ -23,13 +23,14 @@ from typing import Any
 
 from ...results import LoadResult
 from ...threaded import ThreadedKVWorker
-from .clients import acquire_backend, at_exit, release_backend
+from .clients import acquire_backend, at_exit, release_backend, safe_call
 from .config import ConnectorConfig
 from .geometry import EngineGeometry, engine_layout
 from .group_workers import GroupWorkers
 from .keys import key_namespace
 from .metadata import AiokvConnectorMetadata, TransferSpec
 from .stats_reporter import StatsReporter
+from .tier_worker import TierWorker, open_tier_worker
 
 logger = logging.getLogger("aiokv.vllm")
 
@@ -101,27 +102,42 @@ class WorkerSide:
         # Connector-level events, for tests and logs (the worker's own counters are in stats()).
         self.events: Counter[str] = Counter()
         self._stats: list[StatsReporter] = []  # one per group's worker
+        # This rank's host tier (single-group engines: the connector refuses it on hybrid ones); it
+        # then moves the group's chunks, in front of the store's worker if any.
+        self.tier: TierWorker | None = None
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         layouts = [engine_layout(kv_caches, group) for group in self.geometry.groups]
         first = next(iter(kv_caches.values()))
         self._on_cuda = first.device.type == "cuda"
-        if self._on_cuda and self.config.backend == "memory":
-            raise ValueError("AiokvConnector backend 'memory' needs the KV cache in host memory")
-        self._backend = acquire_backend(self.engine_id, self.config, pure_client=False)
-        if self._backend is None:
+        if self._on_cuda and self.config.host_tier:
+            raise ValueError(
+                f"AiokvConnector backend {self.config.backend!r} needs the KV cache in host memory"
+            )
+        if self.config.remote:
+            self._backend = acquire_backend(self.engine_id, self.config, pure_client=False)
+        if self._backend is None and not self.config.host_tier:
             return
         try:
-            self._groups = GroupWorkers(
-                layouts,
-                self._backend,
-                self.namespaces,
-                chunk_tokens=self.chunk_tokens,
-                executor_threads=self.config.executor_threads,
-            )
+            if self._backend is not None:
+                self._groups = GroupWorkers(
+                    layouts,
+                    self._backend,
+                    self.namespaces,
+                    chunk_tokens=self.chunk_tokens,
+                    executor_threads=self.config.executor_threads,
+                )
+            if self.config.host_tier:  # this rank's host tier, in front of the store if any (tier_worker.py)
+                behind = self._groups.workers[0] if self._groups is not None else None
+                self.tier = open_tier_worker(layouts[0], self, behind=behind)
+                self.writes = True  # every rank holds its own tier, whoever writes to the store behind
         except Exception as exc:
             logger.error("aiokv: cannot register the KV cache with the store (%s); running without it", exc)
-            release_backend(self.engine_id, self._backend)
+            if self._groups is not None:  # the tier failed: nothing may use the store's workers either
+                groups, self._groups = self._groups, None
+                groups.close()
+            if self._backend is not None:
+                release_backend(self.engine_id, self._backend)
             self._backend = None
             return
         self._stats = [StatsReporter(worker, _STATS_INTERVAL_S) for worker in self._workers]
@@ -154,6 +170,8 @@ class WorkerSide:
                 _wait_all(pending, "stores of sliding-window blocks")
 
     def start_load_kv(self, meta: AiokvConnectorMetadata) -> None:
+        if self.tier is not None:
+            self.tier.apply(meta.tier)  # the host tier's drops and admits come before the step's transfers
         wanted = [spec for spec in meta.loads if spec.prompt.hashes]
         futures = dict(zip((spec.req_id for spec in wanted), self._submit("load", wanted), strict=True))
         for spec in meta.loads:
@@ -322,6 +340,9 @@ class WorkerSide:
     def shutdown(self) -> None:
         for futures in self._stores.values():
             _wait_all(futures, "shutdown")
+        if self.tier is not None:  # closes the store's worker behind it too (a second close is a no-op)
+            tier, self.tier = self.tier, None
+            safe_call("closing the host tier", lambda: tier.close(timeout=30.0))
         if self._groups is not None:
             groups, self._groups = self._groups, None
             groups.close()
@@ -330,5 +351,8 @@ class WorkerSide:
             release_backend(self.engine_id, backend)
 
     @property
-    def _workers(self) -> list[ThreadedKVWorker]:
-        return self._groups.workers if self._groups is not None else []
+    def _workers(self) -> list[ThreadedKVWorker | TierWorker]:
+        """The worker moving each KV cache group's chunks: the host tier's, if there is one."""
+        if self.tier is not None:
+            return [self.tier]
+        return list(self._groups.workers) if self._groups is not None else []

@@ -34,6 +34,7 @@ a pure function of both (:func:`chunk_bytes`), so any node can tell right bytes 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -49,6 +50,7 @@ from ...backends.mooncake import MooncakeBackend
 from ...breaker import BreakerConfig
 from ...keys import KeyNamespace, chunk_hashes
 from ...layout import KVLayout
+from ...leases import LeaseBudget
 from ...worker import KVWorker
 
 SENTINEL = 0xEE
@@ -72,10 +74,12 @@ def digest(array: npt.NDArray[np.uint8]) -> str:
 
 
 def worker_options(options: dict[str, Any]) -> dict[str, Any]:
-    """KVWorker options from JSON: ``breaker`` is None (no breaker) or BreakerConfig's fields."""
+    """KVWorker options from JSON: ``breaker`` and ``lease_budget`` are None (none) or their fields."""
     options = dict(options)
     if options.get("breaker") is not None:
         options["breaker"] = BreakerConfig(**options["breaker"])
+    if options.get("lease_budget") is not None:
+        options["lease_budget"] = LeaseBudget(**options["lease_budget"])
     return options
 
 
@@ -267,13 +271,20 @@ class Node:
         return self.backend.replica_endpoints(keys)
 
 
+def json_value(value: object) -> Any:
+    """What a reply holds beyond JSON's types: the worker's stats carry dataclasses (latency summaries)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    raise TypeError(f"a node reply cannot carry {type(value).__name__}")
+
+
 async def serve(config: dict[str, Any]) -> None:
     loop = asyncio.get_running_loop()
     node = Node(config)
     out = sys.stdout
 
     def reply(message: dict[str, Any]) -> None:
-        out.write(json.dumps(message) + "\n")
+        out.write(json.dumps(message, default=json_value) + "\n")
         out.flush()
 
     async def handle(request: dict[str, Any]) -> None:
@@ -284,7 +295,10 @@ async def serve(config: dict[str, Any]) -> None:
         except Exception as exc:  # every failure is answered; the node keeps serving
             message = {"id": request.get("id"), "ok": False, "error": type(exc).__name__, "message": str(exc)}
         message["elapsed_s"] = time.monotonic() - started
-        reply(message)
+        try:
+            reply(message)
+        except TypeError as exc:  # answered all the same: a driver must never wait for a lost reply
+            reply({"id": request.get("id"), "ok": False, "error": "TypeError", "message": str(exc)})
 
     reader = asyncio.StreamReader(limit=1 << 26)
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)

@@ -1,4 +1,4 @@
-"""GIL held by one request on the Mooncake path, per layout, for :mod:`aiokv.bench.layouts`: the pieces
+"""GIL held by one request on the Mooncake path, per layout, for :mod:`benchmarks.layouts`: the pieces
 (``regions_for_chunks``, MooncakeBackend's own Python, the binding's conversion), for the call form the
 backend takes and for the multi-buffer form as the baseline, in one run."""
 
@@ -9,10 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import IntArray
-from ..backends._regions import RegisteredMemory
-from ..backends.mooncake_calls import CallForm, call_form, prove
-from ..keys import KeyNamespace, chunk_hashes
+from aiokv._arrays import IntArray
+from aiokv.backends._regions import RegisteredMemory
+from aiokv.backends.mooncake_calls import CallForm, call_form, prove
+from aiokv.keys import KeyNamespace, chunk_hashes
+
 from .gil import best_ms as _best_ms
 from .layout_caches import VOCAB, LayoutCache, Scenario
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["write_tiny_deepseek_mla", "write_tiny_llama", "write_tiny_sliding_llama"]
+__all__ = ["write_tiny_deepseek_mla", "write_tiny_llama", "write_tiny_sliding_llama", "write_word_tokenizer"]
 
 LM_HEAD_GAIN = 4.0  # a sharper output layer: clear greedy winners that still depend on the context
 
@@ -138,6 +138,35 @@ def write_tiny_llama(
             head_dim=head_dim,
         ),
     )
+
+
+def write_word_tokenizer(path: str | pathlib.Path, vocab_size: int = 1024) -> pathlib.Path:
+    """Write a word-level tokenizer into the model folder ``path``: token id ``i`` is the word ``t{i}``,
+    words split on whitespace (``tokenizer.json``, and a ``tokenizer_config.json`` naming
+    ``PreTrainedTokenizerFast``).
+
+    vLLM's OpenAI server needs a tokenizer in the model folder even when prompts arrive as token ids;
+    this one maps every id of the tiny models to a word and back. Needs ``tokenizers`` (comes with vLLM).
+    Returns the directory.
+    """
+    _check_sizes(vocab_size=vocab_size)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    directory = pathlib.Path(path)
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": "t0",
+        "bos_token": "t1",
+        "eos_token": "t2",
+        "model_max_length": 1 << 20,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return directory
 
 
 def _check_sizes(**sizes: int) -> None:

@@ -1,11 +1,11 @@
-"""``python -m aiokv bench vllm``: AiokvConnector against vLLM's own MooncakeStoreConnector on a real
+"""``python -m benchmarks vllm``: AiokvConnector against vLLM's own MooncakeStoreConnector on a real
 vLLM engine, and against recomputing, in one run on one model and one workload.
 
 Per configuration (``recompute``: no connector; ``vllm``: ``MooncakeStoreConnector``; ``aiokv``:
 ``AiokvConnector``; ``aiokv-vllm-keys``: it with ``"key_format": "vllm"``) a fresh Mooncake master and a
 holder process that mounts the store's segment, so every load and store crosses processes over TCP
 (standalone-store mode: the engines mount nothing). One engine process stores, a second one loads;
-each is its own subprocess running the in-process engine (``aiokv.bench.vllm_engine``). Greedy tokens
+each is its own subprocess running the in-process engine (``benchmarks.vllm_engine``). Greedy tokens
 must be equal in every configuration, or the run fails.
 
 Mooncake opens sockets on all interfaces: the benchmark runs in a private network namespace, re-running
@@ -40,10 +40,11 @@ from .vllm_figures import (
 )
 from .vllm_workload import BLOCK_SIZE, MODEL_SHAPE, build_workload, stored_bytes_estimate
 
-logger = logging.getLogger("aiokv.bench.vllm")
+logger = logging.getLogger("benchmarks.vllm")
 
 CONFIGS = ("recompute", "vllm", "aiokv", "aiokv-vllm-keys")
 AIOKV_CONFIGS = ("aiokv", "aiokv-vllm-keys")
+CHECKOUT = Path(__file__).resolve().parent.parent  # the repository root: benchmarks are not installed
 ENGINE_TIMEOUT_S = 1200.0
 
 # With glibc's defaults an engine faults its activations in anew each prefill step (~50,000 4 KiB
@@ -55,14 +56,15 @@ ENGINE_MALLOC_TUNABLES = "glibc.malloc.hugetlb=1"
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m aiokv bench vllm",
+        prog="python -m benchmarks vllm",
         description="AiokvConnector vs vLLM's MooncakeStoreConnector vs recompute on a real vLLM engine: "
         "TTFT on a hit, throughput, step-time inflation, GB/s and CPU per request, across processes.",
     )
     parser.add_argument(
         "--prompt-tokens",
-        default="4096,8192",
-        help="long prompt sizes, comma-separated (default 4096,8192)",
+        default="2000,6000,7777",
+        help="long prompt sizes, comma-separated (default 2000,6000,7777: lengths users send, not multiples "
+        "of a block or chunk, so a connector that stores only whole chunks shows its lost hit tokens)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="loads of each long prompt (default 3)")
     parser.add_argument(
@@ -84,8 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--probe-steps", type=int, default=48, help="decode steps of the probe request")
     parser.add_argument("--prefixes", type=int, default=2, help="shared prefixes in the mixed workload")
     parser.add_argument("--per-prefix", type=int, default=4, help="concurrent requests per prefix")
-    parser.add_argument("--prefix-tokens", type=int, default=2048, help="tokens per shared prefix")
-    parser.add_argument("--suffix-tokens", type=int, default=256, help="own tokens per mixed request")
+    parser.add_argument("--prefix-tokens", type=int, default=1999, help="tokens per shared prefix (1999)")
+    parser.add_argument("--suffix-tokens", type=int, default=301, help="own tokens per mixed request (301)")
     parser.add_argument("--layers", type=int, default=MODEL_SHAPE["num_layers"], help="model layers (16)")
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (default 2)")
     parser.add_argument(
@@ -162,7 +164,7 @@ def kv_transfer_config(
 @contextlib.contextmanager
 def mooncake_store(segment_bytes: int) -> Iterator[str]:
     """A fresh master and a holder process mounting ``segment_bytes``; yields the master's address."""
-    from ..backends.mooncake_master import MooncakeMaster, segment_holder
+    from aiokv.backends.mooncake_master import MooncakeMaster, segment_holder
 
     with MooncakeMaster() as master, segment_holder(master.address, segment_bytes):
         yield master.address
@@ -172,6 +174,9 @@ def engine_env(config_path: Path | None, kv_cache_gib: int, malloc_tunables: str
     env = dict(os.environ)
     if malloc_tunables:
         env["GLIBC_TUNABLES"] = ":".join(filter(None, (env.get("GLIBC_TUNABLES"), malloc_tunables)))
+    # The engine processes run `-m benchmarks.vllm_engine`: the checkout (benchmarks are not installed)
+    # goes first on their path, whatever the current directory.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(CHECKOUT), env.get("PYTHONPATH"))))
     env |= {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
@@ -196,7 +201,7 @@ def run_engine(spec: dict[str, Any], workdir: Path, tag: str, env: dict[str, str
     started = time.perf_counter()
     with log_path.open("wb") as log:
         process = subprocess.run(
-            [sys.executable, "-m", "aiokv.bench.vllm_engine", str(spec_path), str(result_path)],
+            [sys.executable, "-m", "benchmarks.vllm_engine", str(spec_path), str(result_path)],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -266,11 +271,15 @@ def _rerun_in_namespace(argv: list[str]) -> int:
         return 2
     logger.info("re-running under unshare -rn (Mooncake must not listen outside this machine)")
     command = ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', sys.executable]
-    return subprocess.run([*command, "-m", "aiokv.bench.vllm", *argv, "--no-unshare"], check=False).returncode
+    return subprocess.run([*command, "-m", "benchmarks.vllm", *argv, "--no-unshare"], check=False).returncode
 
 
 def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else list(argv)
+    if "--http" in args_list:  # under vLLM's OpenAI server, over HTTP (benchmarks.vllm_http)
+        from .vllm_http import main as http_main
+
+        return http_main([arg for arg in args_list if arg != "--http"])
     args = _parser().parse_args(args_list)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
@@ -301,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             stack.enter_context(tempfile.TemporaryDirectory(prefix="aiokv-bench-vllm-"))
         )
         workdir.mkdir(parents=True, exist_ok=True)
-        from ..integrations.vllm.tiny_model import write_tiny_llama
+        from aiokv.testing.tiny_model import write_tiny_llama
 
         model = write_tiny_llama(workdir / "model", **shape, seed=args.seed)
         reference = run_config(

@@ -1,6 +1,6 @@
-"""One vLLM engine for ``python -m aiokv bench vllm``, run as its own process.
+"""One vLLM engine for ``python -m benchmarks vllm``, run as its own process.
 
-``python -m aiokv.bench.vllm_engine SPEC.json RESULT.json``: builds an in-process engine
+``python -m benchmarks.vllm_engine SPEC.json RESULT.json``: builds an in-process engine
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the parent, so scheduler and worker connector live here)
 with the spec's KV connector, drives it step by step through ``LLMEngine.step`` and writes every
 timing, the greedy tokens and the CPU seconds of this process as JSON.
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger("aiokv.bench.vllm")
+logger = logging.getLogger("benchmarks.vllm")
 
 # A run that has not finished by then is stuck (a store that never completes, a load that never lands).
 RUN_TIMEOUT_S = 600.0
@@ -263,7 +263,7 @@ class EngineDriver:
 def build_llm(spec: dict[str, Any]) -> Any:
     from vllm import LLM
 
-    from ..integrations.vllm.amx import allow_amx_tiles
+    from aiokv.integrations.vllm.amx import allow_amx_tiles
 
     allow_amx_tiles()  # the configurations without AiokvConnector too (see that module)
 
@@ -329,7 +329,7 @@ def run_load_role(driver: EngineDriver, spec: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        sys.stderr.write("usage: python -m aiokv.bench.vllm_engine SPEC.json RESULT.json\n")
+        sys.stderr.write("usage: python -m benchmarks.vllm_engine SPEC.json RESULT.json\n")
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine %(message)s")
     spec = json.loads(Path(args[0]).read_text())

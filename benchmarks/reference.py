@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ..layout import KVLayout
+from aiokv.layout import KVLayout
 
 
 def _cdiv(a: int, b: int) -> int:

@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 from .rules import DATA_OPS, FaultRule
 
-__all__ = ["Plan", "RuleBook"]
+__all__ = ["CallFaults", "RuleBook"]
 
 
 @dataclass(slots=True)
-class Plan:
+class CallFaults:
     """What one call suffers: a delay, hangs (event, longest wait), an exception, codes per key index."""
 
     delay_s: float = 0.0
@@ -58,9 +58,9 @@ class RuleBook:
         with self._lock:
             return self._fired.get(id(rule), 0)
 
-    def draw(self, op: str, keys: list[str] | None) -> Plan:
+    def draw(self, op: str, keys: list[str] | None) -> CallFaults:
         """Decide, under the lock, which rules fire for this call and on which keys."""
-        plan = Plan()
+        plan = CallFaults()
         with self._lock:
             for rule in self._rules:
                 if not rule.applies_to(op):

@@ -1,11 +1,12 @@
-"""The report of ``python -m aiokv bench``: the issues' goals judged on its figures, the text tables,
+"""The report of ``python -m benchmarks``: the issues' goals judged on its figures, the text tables,
 and the optional plot."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -88,14 +89,21 @@ def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
     return items
 
 
+def headline(p: dict[str, Any]) -> str:
+    """The scenario in one line, the table's and the plot's title alike."""
+    return (
+        f"aiokv bench: {p['tokens']:,} tokens, block {p['block_size']}, {p['regions']} regions, "
+        f"chunk {p['chunk_tokens']}"
+    )
+
+
 def print_report(report: dict[str, Any], out: TextIO) -> None:
     p = report["parameters"]
     prep = report["prepare"]
     m = report["machine"]
     v = report["versions"]
     out.write(
-        f"\naiokv bench: {p['tokens']:,} tokens, block {p['block_size']}, {p['regions']} regions, "
-        f"chunk {p['chunk_tokens']} tokens ({prep['config']['chunks']:,} chunks), "
+        f"\n{headline(p)} tokens ({prep['config']['chunks']:,} chunks), "
         f"concurrency {p['concurrency']}, backend {p['backend']}\n"
         f"machine: {m['cpu_count']} CPUs ({m['cpu_model']}), {m['platform']}, Python {m['python']}; "
         f"aiokv {v['aiokv']}, NumPy {v['numpy']}"
@@ -202,10 +210,7 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
 
     p = report["parameters"]
     fig, axes = plt.subplots(2, 2, figsize=(13, 9))
-    fig.suptitle(
-        f"aiokv bench: {p['tokens']:,} tokens, block {p['block_size']}, {p['regions']} regions, "
-        f"chunk {p['chunk_tokens']}, backend {p['backend']}"
-    )
+    fig.suptitle(f"{headline(p)}, backend {p['backend']}")
     t = report["prepare"]["timings"]
     names = [
         ("scalar\nreference", "scalar_reference"),
@@ -280,3 +285,17 @@ def finish_suite(
         json_path.parent.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(report, indent=2) + "\n")
     return 0
+
+
+def suite_main(
+    suite: str,
+    parser: argparse.ArgumentParser,
+    argv: Sequence[str] | None,
+    run: Callable[..., dict[str, Any]],
+    print_report: Callable[[dict[str, Any], TextIO], None],
+) -> int:
+    """A suite's whole ``main``: parse its arguments, run it with every option but ``--json`` as a
+    keyword argument, then :func:`finish_suite`."""
+    args = parser.parse_args(argv)
+    options = {name: value for name, value in vars(args).items() if name != "json"}
+    return finish_suite(suite, lambda: run(**options), print_report, args.json)

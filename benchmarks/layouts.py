@@ -2,10 +2,10 @@
 
 The write-up's scenario (289K tokens, block 128, 96 regions; block bytes scaled down to fit memory),
 with one cache allocated three ways (layer-major, block-major per-layer views, one cross-layer region;
-see :mod:`aiokv.bench.layout_caches`) and described with :meth:`KVLayout.from_tensors`.
+see :mod:`benchmarks.layout_caches`) and described with :meth:`KVLayout.from_tensors`.
 
 For each: (address, size) pairs per request, the GIL-held pieces of one request on the Mooncake path
-(:mod:`aiokv.bench.layouts_gil`: ``regions_for_chunks``, MooncakeBackend's own Python, and with
+(:mod:`benchmarks.layouts_gil`: ``regions_for_chunks``, MooncakeBackend's own Python, and with
 ``--backend mooncake`` the binding's conversion timed on a raw ``mooncake.store`` client; for the call
 form the backend takes and for the multi-buffer form as the baseline), and through
 :class:`~aiokv.KVWorker` with ``--concurrency`` concurrent stores and loads: wall time, GB/s, CPU per
@@ -13,9 +13,9 @@ request, and per 1 ms tick the loop's lag, its own CPU (busy) and its wait for a
 loop's lag measured just before. Bytes are verified once per layout. A table of ``chunk_tokens``
 choices follows (keys, pairs and bytes per pair per request).
 
-Run: ``python -m aiokv.bench.layouts [--backend mooncake]`` (Mooncake in a private network namespace:
-``unshare -rn sh -c 'ip link set lo up && python -m aiokv.bench.layouts --backend mooncake'``).
-``--cross-process`` adds the prefill -> decode figures of :mod:`aiokv.bench.layouts_xproc`.
+Run: ``python -m benchmarks layouts [--backend mooncake]`` (Mooncake in a private network namespace:
+``unshare -rn sh -c 'ip link set lo up && python -m benchmarks layouts --backend mooncake'``).
+``--cross-process`` adds the prefill -> decode figures of :mod:`benchmarks.layouts_xproc`.
 """
 
 from __future__ import annotations
@@ -24,23 +24,26 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import json
 import statistics
 import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any, NamedTuple, TextIO
 
 import numpy as np
 
-from ..keys import KeyNamespace, chunk_hashes
-from ..runner import run
-from ..worker import DEFAULT_REGIONS_PER_CALL, KVWorker
+from aiokv import DEFAULT_REGIONS_PER_CALL, KVWorker
+from aiokv.keys import KeyNamespace, chunk_hashes
+from aiokv.runner import run
+
 from .layout_caches import KINDS, VOCAB, LayoutCache, Scenario, chunk_token_table, pairs_per_request
 from .layouts_gil import ConversionProbe, gil_per_request, request_keys
+from .layouts_xproc import XScenario, print_xproc_report, run_xproc_benchmark
 from .loop_lag import measure_loop_lag
+from .report import finish_suite
 
 
 class Run(NamedTuple):
@@ -151,7 +154,7 @@ def open_backend(
     name: str, master: str | None, capacity: int
 ) -> Iterator[tuple[Any, ConversionProbe | None]]:
     if name == "memory":
-        from ..backends.memory import MemoryBackend
+        from aiokv.backends.memory import MemoryBackend
 
         memory = MemoryBackend(capacity_bytes=capacity)
         try:
@@ -159,8 +162,8 @@ def open_backend(
         finally:
             memory.close()
         return
-    from ..backends.mooncake import MooncakeBackend
-    from ..backends.mooncake_master import MooncakeMaster
+    from aiokv.backends.mooncake import MooncakeBackend
+    from aiokv.backends.mooncake_master import MooncakeMaster
 
     with contextlib.ExitStack() as stack:
         if master is None:
@@ -279,7 +282,7 @@ def print_report(result: dict[str, Any], out: TextIO) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     d = Scenario()
-    p = argparse.ArgumentParser(prog="python -m aiokv.bench.layouts", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks layouts", description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", choices=("memory", "mooncake"), default="memory")
     p.add_argument("--master", help="an existing Mooncake master host:port (default: start one)")
     p.add_argument("--tokens", type=int, default=d.tokens)
@@ -290,7 +293,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=d.rounds)
     p.add_argument("--quick", action="store_true", help="32K tokens, 1 round: seconds, for a smoke test")
     p.add_argument("--cross-process", action="store_true", help="also prefill -> decode across processes")
-    p.add_argument("--json", help="write every figure to this file")
+    p.add_argument("--json", metavar="PATH", type=Path, help="write every figure to this file")
     return p
 
 
@@ -310,18 +313,19 @@ def main(argv: list[str] | None = None) -> int:
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    result = run_layouts_benchmark(s, backend=args.backend, master=args.master, progress=progress)
-    print_report(result, sys.stdout)
-    if args.cross_process:
-        from .layouts_xproc import XScenario, print_xproc_report, run_xproc_benchmark
+    def report() -> dict[str, Any]:
+        result = run_layouts_benchmark(s, backend=args.backend, master=args.master, progress=progress)
+        if args.cross_process:
+            xs = XScenario(rounds=args.rounds) if not args.quick else XScenario(tokens=2048, rounds=1)
+            result["cross_process"] = run_xproc_benchmark(xs, master=args.master, progress=progress)
+        return result
 
-        xs = XScenario(rounds=args.rounds) if not args.quick else XScenario(tokens=2048, rounds=1)
-        result["cross_process"] = run_xproc_benchmark(xs, master=args.master, progress=progress)
-        print_xproc_report(result["cross_process"], sys.stdout)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(result, out, indent=2)
-    return 0
+    def print_all(result: dict[str, Any], out: TextIO) -> None:
+        print_report(result, out)
+        if "cross_process" in result:
+            print_xproc_report(result["cross_process"], out)
+
+    return finish_suite("layouts", report, print_all, args.json)
 
 
 if __name__ == "__main__":

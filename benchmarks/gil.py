@@ -9,7 +9,7 @@ without moving a byte. Its wall time bounds the GIL-held time of that call from 
 answer is included). ``prepare`` is ``KVLayout.regions_for_chunks`` for the request's chunks.
 
 The finer split of a call (bounds checks, list building, the binding's own conversion) needs the
-backend's internals: ``benchmarks/mooncake_conversion.py`` measures it.
+backend's internals: ``python -m benchmarks mooncake-conversion`` measures it.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import IntArray
-from ..backends.base import Backend
-from ..keys import HashedPrompt, KeyNamespace
-from ..layout import KVLayout
-from ..testing import Call, FaultInjectingBackend
-from ..worker import KVWorker
+from aiokv import KVWorker
+from aiokv._arrays import IntArray
+from aiokv.backends.base import Backend
+from aiokv.keys import HashedPrompt, KeyNamespace
+from aiokv.layout import KVLayout
+from aiokv.testing import Call, FaultInjectingBackend
 
 
 def best_ms(fn: Callable[[], object], repeats: int) -> float:

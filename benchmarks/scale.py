@@ -43,14 +43,15 @@ from typing import Any, TextIO
 
 import numpy as np
 
-from .._arrays import IntArray
-from ..backends.base import keys_per_call
-from ..backends.memory import MemoryBackend
-from ..keys import HashedPrompt, KeyNamespace
-from ..testing.paged_cache import GroupCache
-from ..worker import KVWorker
+from aiokv import KVWorker
+from aiokv._arrays import IntArray
+from aiokv.backends.base import keys_per_call
+from aiokv.backends.memory import MemoryBackend
+from aiokv.keys import HashedPrompt, KeyNamespace
+from aiokv.testing.paged_cache import GroupCache
+
 from .loop_lag import tick
-from .report import finish_suite, table
+from .report import suite_main, table
 from .scale_gc import CollectorFigures, collector_figures
 
 # Issue 10 as filed (the code before the fix, the same machine): max loop lag and lookup latency, ms.
@@ -283,7 +284,7 @@ def run_scale_benchmark(
 ) -> dict[str, Any]:
     """Figures per workload and path (worker, direct, idle) as dicts, the worker's ratios to each
     baseline, and the seed figures; see the module docstring."""
-    from ..runner import run
+    from aiokv.runner import run
 
     if min(requests, rounds, chunk_tokens) < 1 or prompt_tokens < chunk_tokens:
         raise ValueError("requests, rounds and chunk_tokens must be >= 1, and prompt_tokens >= chunk_tokens")
@@ -345,7 +346,7 @@ def print_scale_report(report: dict[str, Any], out: TextIO) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m aiokv bench scale",
+        prog="python -m benchmarks scale",
         description="Event-loop lag and lookup latency while the worker handles one batch of many "
         "requests and one very long prompt, against direct backend calls and an idle loop.",
     )
@@ -361,15 +362,4 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
-
-    def report() -> dict[str, Any]:
-        return run_scale_benchmark(
-            requests=args.requests,
-            prompt_tokens=args.prompt_tokens,
-            chunk_tokens=args.chunk_tokens,
-            rounds=args.rounds,
-            seed=args.seed,
-        )
-
-    return finish_suite("scale", report, print_scale_report, args.json)
+    return suite_main("scale", _parser(), argv, run_scale_benchmark, print_scale_report)

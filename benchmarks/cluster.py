@@ -8,21 +8,23 @@
    readable again) and a master restart (how fast requests fail during the outage; time from the restart
    until the same worker stores and loads again).
 
-Run as root or inside ``unshare -rn``: ``python -c 'import sys; from aiokv.bench.cluster import main;
-sys.exit(main(sys.argv[1:]))' [--mib 128] [--rounds 3] [--json out.json]``.
+Run as root or inside ``unshare -rn``: ``python -m benchmarks cluster [--mib 128] [--rounds 3]
+[--json out.json]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, TextIO
 
-from ..testing.cluster.client import NodeClient, node_config
-from ..testing.cluster.world import ClusterWorld, world_unavailable_reason
+from aiokv.testing.cluster.client import NodeClient, node_config
+from aiokv.testing.cluster.world import ClusterWorld, world_unavailable_reason
+
+from .report import finish_suite
 
 REGIONS = 64
 BLOCK_LEN = 16 << 10
@@ -172,38 +174,46 @@ def _master_restart(world: ClusterWorld) -> dict[str, float]:
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(prog="aiokv.bench.cluster", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks cluster", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--mib", type=int, default=128, help="prompt size in MiB (default 128)")
     parser.add_argument("--rounds", type=int, default=3, help="throughput rounds, best kept (default 3)")
     parser.add_argument("--skip-recovery", action="store_true", help="throughput only")
-    parser.add_argument("--json", help="write every figure to this file")
+    parser.add_argument("--json", metavar="PATH", type=Path, help="write every figure to this file")
     args = parser.parse_args(argv)
     reason = world_unavailable_reason()
     if reason is not None:
-        print(f"aiokv.bench.cluster cannot run here: {reason}", file=sys.stderr)
+        print(f"benchmarks.cluster cannot run here: {reason}", file=sys.stderr)
         return 2
-    report: dict[str, Any] = {"mib": args.mib, "rounds": args.rounds, "throughput": []}
-    segment = ((args.mib + 64) << 20) * 2  # the worker's and the direct keys side by side
+    return finish_suite(
+        "cluster", lambda: _run(args.mib, args.rounds, args.skip_recovery), _print_report, args.json
+    )
+
+
+def _print_report(report: dict[str, Any], out: TextIO) -> None:
+    out.write(format_report(report) + "\n")
+
+
+def _run(mib: int, rounds: int, skip_recovery: bool) -> dict[str, Any]:
+    report: dict[str, Any] = {"mib": mib, "rounds": rounds, "throughput": []}
+    segment = ((mib + 64) << 20) * 2  # the worker's and the direct keys side by side
     with ClusterWorld(3) as world:
         holder = NodeClient(world, 0, node_config(world, 0, segment_size=segment))
         try:
             for blocks_per_chunk in (1, 16):
                 _progress(f"throughput, {blocks_per_chunk}-block chunks")
-                report["throughput"].append(_throughput(world, blocks_per_chunk, args.mib, args.rounds))
+                report["throughput"].append(_throughput(world, blocks_per_chunk, mib, rounds))
         finally:
             holder.close()
-    if not args.skip_recovery:
+    if not skip_recovery:
         _progress("recovery: node loss")
         with ClusterWorld(3) as world:
             report["node_loss"] = _node_loss(world)
         _progress("recovery: master restart")
         with ClusterWorld(3) as world:
             report["master_restart"] = _master_restart(world)
-    print(format_report(report))
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(report, out, indent=2)
-    return 0
+    return report
 
 
 def format_report(report: dict[str, Any]) -> str:

@@ -20,8 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from ..keys import chunk_hashes
-from ..layout import KVLayout
+from aiokv.keys import chunk_hashes
+from aiokv.layout import KVLayout
+
 from .reference import reference_prepare_value, writeup_prepare_values
 
 logger = logging.getLogger(__name__)

@@ -21,10 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.base import Regions
-from ..keys import HashedPrompt, KeyNamespace, chunk_hashes
-from ..layout import KVLayout
-from ..worker import KVWorker
+from aiokv import KVWorker
+from aiokv.backends.base import Regions
+from aiokv.keys import HashedPrompt, KeyNamespace, chunk_hashes
+from aiokv.layout import KVLayout
+
 from .reference import writeup_prepare_values
 
 
@@ -263,7 +264,7 @@ def run_loop_lag_benchmark(
     rounds: int = 5,
 ) -> list[dict[str, Any]]:
     """Figures per design, as plain dicts (see :class:`LagFigures`)."""
-    from ..runner import run
+    from aiokv.runner import run
 
     figures = run(
         _bench(

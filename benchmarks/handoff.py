@@ -17,10 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.memory import MemoryBackend
-from ..testing.paged_cache import GroupCache
-from ..threaded import ThreadedKVWorker
-from .report import finish_suite, table
+from aiokv.backends.memory import MemoryBackend
+from aiokv.testing.paged_cache import GroupCache
+from aiokv.threaded import ThreadedKVWorker
+
+from .report import suite_main, table
 
 CHUNK_TOKENS = 16
 REGIONS = 8
@@ -98,7 +99,7 @@ def print_handoff_report(report: dict[str, Any], out: Any) -> None:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m aiokv bench handoff",
+        prog="python -m benchmarks handoff",
         description="Submission time per engine step: store() per request against store_many() per step.",
     )
     parser.add_argument("--steps", type=int, default=300)
@@ -113,15 +114,4 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
-
-    def report() -> dict[str, Any]:
-        return run_handoff_benchmark(
-            steps=args.steps,
-            per_step=args.per_step,
-            chunks=args.chunks,
-            engine_ms=args.engine_ms,
-            seed=args.seed,
-        )
-
-    return finish_suite("handoff", report, print_handoff_report, args.json)
+    return suite_main("handoff", _parser(), argv, run_handoff_benchmark, print_handoff_report)

@@ -14,7 +14,7 @@ request. Bytes are checked once before anything is timed (worker store -> worker
 reproduce the source blocks), and every timed call's result is checked (all chunks moved).
 
 On the Mooncake backend, the GIL-held time of one request is also bounded, on the exact calls the
-worker makes (see :mod:`aiokv.bench.gil`).
+worker makes (see :mod:`benchmarks.gil`).
 """
 
 from __future__ import annotations
@@ -31,12 +31,13 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import IntArray
-from ..backends.base import Backend
-from ..keys import HashedPrompt, KeyNamespace, chunk_hashes
-from ..layout import KVLayout
-from ..testing.paged_cache import GroupCache, same_blocks
-from ..worker import KVWorker
+from aiokv import KVWorker
+from aiokv._arrays import IntArray
+from aiokv.backends.base import Backend
+from aiokv.keys import HashedPrompt, KeyNamespace, chunk_hashes
+from aiokv.layout import KVLayout
+from aiokv.testing.paged_cache import GroupCache, same_blocks
+
 from .geometry import Geometry
 from .gil import mooncake_gil_breakdown
 from .loop_lag import measure_loop_lag
@@ -367,7 +368,7 @@ def run_e2e_benchmark(
     ratios) and ``gil`` (Mooncake only, see :func:`mooncake_gil_breakdown`). ``worker_options`` go
     to :class:`~aiokv.KVWorker` (e.g. ``max_regions_per_call``).
     """
-    from ..runner import run
+    from aiokv.runner import run
 
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")

@@ -1,4 +1,4 @@
-"""``python -m aiokv bench``: the reference write-up's scenario, aiokv against its baselines, in one run.
+"""``python -m benchmarks``: the reference write-up's scenario, aiokv against its baselines, in one run.
 
 1. ``prepare_values``: the scalar per-chunk reference, the write-up's vectorised version (lists) and
    ``KVLayout.prepare_values`` on the same chunks (plus chunk hashing);
@@ -10,7 +10,7 @@
 
 Progress goes to stderr, the table to stdout; ``--json`` and ``--plot`` write every figure.
 
-Other suites run as ``python -m aiokv bench SUITE [options]`` (each has its own ``--help``): see
+Other suites run as ``python -m benchmarks SUITE [options]`` (each has its own ``--help``): see
 :data:`SUITES`.
 """
 
@@ -31,14 +31,15 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import AiokvError
+from aiokv.errors import AiokvError
+
 from .e2e import Progress, run_e2e_benchmark
 from .geometry import DEFAULT_E2E_BUDGET_BYTES, Geometry, choose_block_bytes, store_capacity_bytes
 from .loop_lag import run_loop_lag_benchmark
 from .prepare import DEFAULT_TOKENS, run_prepare_benchmark
 from .report import PLOT_HINT, goals, kib, mb, print_report, write_plot
 
-NAMESPACE_COMMAND = "unshare -rn sh -c 'ip link set lo up && python -m aiokv bench --backend mooncake'"
+NAMESPACE_COMMAND = "unshare -rn sh -c 'ip link set lo up && python -m benchmarks --backend mooncake'"
 
 
 # --quick: a scenario that finishes in seconds (explicit options still win).
@@ -48,24 +49,29 @@ _FULL = {"tokens": DEFAULT_TOKENS, "regions": 96, "rounds": 5}
 
 # Suites beside the default one: name -> (module, what it compares). Imported only when asked for.
 SUITES = {
-    "layouts": ("aiokv.bench.layouts", "block-major vs layer-major caches: pairs, GIL, loop lag, GB/s"),
-    "layouts-xproc": ("aiokv.bench.layouts_xproc", "prefill -> decode across processes on Mooncake"),
-    "vllm": ("aiokv.bench.vllm", "AiokvConnector vs vLLM's MooncakeStoreConnector on real engines"),
-    "cluster": ("aiokv.bench.cluster", "cross-node GB/s (worker vs direct) and recovery times in namespaces"),
-    "scale": ("aiokv.bench.scale", "loop stalls finishing 10,000 requests and a 62,500-key prompt"),
-    "handoff": ("aiokv.bench.handoff", "an engine thread's cost to submit a step: store() vs store_many()"),
+    "layouts": ("benchmarks.layouts", "block-major vs layer-major caches: pairs, GIL, loop lag, GB/s"),
+    "layouts-xproc": ("benchmarks.layouts_xproc", "prefill -> decode across processes on Mooncake"),
+    "vllm": ("benchmarks.vllm", "AiokvConnector vs vLLM's MooncakeStoreConnector on real engines"),
+    "vllm-tier": ("benchmarks.vllm_tier", "TTFT of a host-tier hit against the same hit from Mooncake"),
+    "cluster": ("benchmarks.cluster", "cross-node GB/s (worker vs direct) and recovery times in namespaces"),
+    "scale": ("benchmarks.scale", "loop stalls finishing 10,000 requests and a 62,500-key prompt"),
+    "handoff": ("benchmarks.handoff", "an engine thread's cost to submit a step: store() vs store_many()"),
+    "mooncake-conversion": (
+        "benchmarks.mooncake_conversion",
+        "the Mooncake binding's argument conversion (GIL held) per argument form, one large batch",
+    ),
 }
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m aiokv bench",
+        prog="python -m benchmarks",
         description="The reference write-up's scenario (289K tokens, block 128, 96 regions): the scalar "
         "reference, the write-up's vectorised version and aiokv side by side, then end to end through "
         "the worker with real bytes against direct backend calls.",
         epilog=f"Mooncake without --master starts a loopback master; run it in a private network "
         f"namespace: {NAMESPACE_COMMAND}. Other suites: "
-        + "; ".join(f"`bench {name} --help`: {what}" for name, (_, what) in SUITES.items()),
+        + "; ".join(f"`{name} --help`: {what}" for name, (_, what) in SUITES.items()),
     )
     scenario = parser.add_argument_group("scenario")
     scenario.add_argument("--tokens", type=int, help=f"tokens per prompt (default {DEFAULT_TOKENS})")
@@ -186,7 +192,7 @@ def machine_info() -> dict[str, Any]:
 
 
 def versions() -> dict[str, str | None]:
-    from .. import __version__
+    from aiokv import __version__
 
     return {
         "aiokv": __version__,
@@ -224,7 +230,7 @@ def open_backend(args: argparse.Namespace, geometry: Geometry, progress: Progres
     """The e2e backend, sized to the working set; for Mooncake also a master when none is given."""
     capacity = store_capacity_bytes(geometry)
     if args.backend == "memory":
-        from ..backends.memory import MemoryBackend
+        from aiokv.backends.memory import MemoryBackend
 
         backend = MemoryBackend(capacity_bytes=capacity)
         try:
@@ -232,8 +238,8 @@ def open_backend(args: argparse.Namespace, geometry: Geometry, progress: Progres
         finally:
             backend.close()
         return
-    from ..backends.mooncake import MooncakeBackend
-    from ..backends.mooncake_master import MooncakeMaster
+    from aiokv.backends.mooncake import MooncakeBackend
+    from aiokv.backends.mooncake_master import MooncakeMaster
 
     with contextlib.ExitStack() as stack:
         address = args.master

@@ -13,7 +13,7 @@ and by direct ``batch_put``/``batch_get`` calls over the very same keys and pair
 
 The direct calls on the last one are the raw Mooncake figure for the same bytes in one large region
 per key. Bytes are verified once per configuration. Run in a private network namespace:
-``unshare -rn sh -c 'ip link set lo up && python -m aiokv.bench.layouts --cross-process'``.
+``unshare -rn sh -c 'ip link set lo up && python -m benchmarks layouts --cross-process'``.
 """
 
 from __future__ import annotations
@@ -22,21 +22,23 @@ import argparse
 import asyncio
 import contextlib
 import functools
-import json
 import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, TextIO
 
 import numpy as np
 
-from .._arrays import IntArray
-from ..keys import KeyNamespace, chunk_hashes
-from ..runner import run
-from ..worker import KVWorker
+from aiokv import KVWorker
+from aiokv._arrays import IntArray
+from aiokv.keys import KeyNamespace, chunk_hashes
+from aiokv.runner import run
+
 from .layout_caches import LayoutCache
+from .report import suite_main
 
 _VOCAB = 128_000
 
@@ -202,8 +204,8 @@ def run_xproc_benchmark(
     xs: XScenario, *, master: str | None = None, progress: Callable[[str], None] | None = None
 ) -> dict[str, Any]:
     """Every configuration on one master and one holder; returns figures and the goal ratios."""
-    from ..backends.mooncake import MooncakeBackend
-    from ..backends.mooncake_master import MooncakeMaster, segment_holder
+    from aiokv.backends.mooncake import MooncakeBackend
+    from aiokv.backends.mooncake_master import MooncakeMaster, segment_holder
 
     say = progress or (lambda _: None)
     result: dict[str, Any] = {"scenario": asdict(xs), "prompt_bytes": xs.prompt_bytes, "configurations": []}
@@ -267,22 +269,20 @@ def print_xproc_report(result: dict[str, Any], out: TextIO) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m aiokv.bench.layouts_xproc", description=__doc__.split("\n\n")[0]
+        prog="python -m benchmarks layouts-xproc", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--master", help="an existing Mooncake master host:port (default: start one)")
     defaults = XScenario()
     parser.add_argument("--tokens", type=int, default=defaults.tokens)
     parser.add_argument("--heads", type=int, default=defaults.heads, help="KV heads (bytes per block)")
     parser.add_argument("--rounds", type=int, default=defaults.rounds)
-    parser.add_argument("--json", help="write every figure to this file")
-    args = parser.parse_args(argv)
-    xs = XScenario(tokens=args.tokens, heads=args.heads, rounds=args.rounds)
-    result = run_xproc_benchmark(xs, master=args.master, progress=lambda line: print(line, file=sys.stderr))
-    print_xproc_report(result, sys.stdout)
-    if args.json:
-        with open(args.json, "w") as out:
-            json.dump(result, out, indent=2)
-    return 0
+    parser.add_argument("--json", metavar="PATH", type=Path, help="write every figure to this file")
+
+    def run_suite(master: str | None, tokens: int, heads: int, rounds: int) -> dict[str, Any]:
+        xs = XScenario(tokens=tokens, heads=heads, rounds=rounds)
+        return run_xproc_benchmark(xs, master=master, progress=lambda line: print(line, file=sys.stderr))
+
+    return suite_main("layouts-xproc", parser, argv, run_suite, print_xproc_report)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from .._arrays import IntArray
-from ..layout import KVLayout
+from aiokv._arrays import IntArray
+from aiokv.layout import KVLayout
+
 from .geometry import PromptSizes
 
 KINDS = ("layer_major", "block_major", "cross_layer")

@@ -1,4 +1,4 @@
-"""Figures, output checks and goals for ``python -m aiokv bench vllm``, from the engines' JSON results.
+"""Figures, output checks and goals for ``python -m benchmarks vllm``, from the engines' JSON results.
 
 Every figure comes from the engine processes' own clocks (``vllm_engine``); this module only reduces
 them. Each configuration's result is ``{"store": <store engine JSON>, "load": <load engine JSON>}``.

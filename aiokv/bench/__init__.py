@@ -1,1 +1,0 @@
-"""Benchmarks of aiokv's hot paths, and the baselines they are measured against."""

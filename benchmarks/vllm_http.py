@@ -1,0 +1,336 @@
+"""``python -m benchmarks vllm --http``: connectors compared under vLLM's OpenAI server, over HTTP.
+
+Real servers (``aiokv.testing.vllm_server``: the API server, engine core and worker processes of
+vLLM's default multiprocess engine, ``--no-enable-prefix-caching`` so every hit is the connector's)
+are driven by concurrent clients that stream ``/v1/completions`` with token-id prompts: the time to
+first token is the client's, from sending the request to the first streamed token.
+
+Per configuration, on a fresh Mooncake store (a master and a holder process owning the segment; the
+servers are pure clients): a storing server answers each shared prefix once (unaligned lengths, by
+default 2,000 / 6,000 / 7,777 tokens) and is stopped once its stores are in; a fresh loading server
+then gets ``--clients`` concurrent clients, each sending ``--requests`` prompts: a shared prefix plus a
+suffix of its own (``--suffix-tokens``; sizes in turn). ``recompute`` (no connector) runs the loading
+phase alone. Reported per configuration: TTFT p50 and p99, requests/s, the hit tokens
+(``cached_tokens``) per prefix size, the CPU seconds of every server process, and the greedy tokens
+compared with recompute's; ratios against recompute and between the connectors. Configurations run in
+one invocation, one server at a time.
+
+Configurations are pluggable (:data:`CONFIGS`): each names its KV transfer config and whether the
+loading server is a fresh one (a shared store) or the storing one (a tier inside the server, such as
+aiokv's embedded and tiered setups, which join here with that work).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiokv.testing.vllm_server import Completion, VllmServer, running_server
+
+from .vllm import kv_transfer_config, mooncake_config, mooncake_store
+from .vllm_workload import BLOCK_SIZE, MODEL_SHAPE
+
+logger = logging.getLogger("benchmarks.vllm")
+
+STORE_WAIT_S = 120.0  # the storing server's stores must land by then (seen: seconds)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One configuration: its KV transfer config from the Mooncake JSON (None: no connector), and
+    whether the loading server is a fresh one on the shared store."""
+
+    transfer: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | None]
+    fresh_loader: bool = True
+
+
+CONFIGS: dict[str, Config] = {
+    "recompute": Config(lambda store, extra: None),
+    "vllm": Config(lambda store, extra: kv_transfer_config("vllm", store)),
+    "aiokv": Config(lambda store, extra: kv_transfer_config("aiokv", store, extra)),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks vllm --http",
+        description="Connectors under vLLM's OpenAI server: TTFT p50/p99, requests/s and hit tokens for "
+        "concurrent clients sharing prefixes, against recompute, in one run.",
+    )
+    parser.add_argument("--prompt-tokens", default="2000,6000,7777", help="shared prefix sizes")
+    parser.add_argument("--suffix-tokens", type=int, default=100, help="own tokens after the prefix (100)")
+    parser.add_argument("--clients", type=int, default=4, help="concurrent clients (default 4)")
+    parser.add_argument("--requests", type=int, default=6, help="requests per client (default 6)")
+    parser.add_argument("--output-tokens", type=int, default=16, help="greedy tokens per request (16)")
+    parser.add_argument("--layers", type=int, default=MODEL_SHAPE["num_layers"], help="model layers (16)")
+    parser.add_argument("--kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (default 2)")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {', '.join(CONFIGS)}")
+    parser.add_argument("--aiokv-extra", type=json.loads, default={}, help="JSON merged into aiokv's extra")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="write every figure and request here")
+    parser.add_argument("--keep", type=Path, help="keep the model, configs and server logs here")
+    parser.add_argument("--no-unshare", action="store_true", help="fail instead of re-running in unshare")
+    return parser
+
+
+def build_prompts(args: argparse.Namespace) -> tuple[dict[int, list[int]], list[list[list[int]]]]:
+    """The shared prefixes by size, and each client's prompts (a prefix, sizes in turn, and a suffix
+    of its own), seeded."""
+    import random
+
+    rng = random.Random(args.seed)
+    vocab = MODEL_SHAPE["vocab_size"]
+
+    def ids(count: int) -> list[int]:
+        return [rng.randrange(3, vocab) for _ in range(count)]
+
+    sizes = [int(size) for size in args.prompt_tokens.split(",") if size.strip()]
+    prefixes = {size: ids(size) for size in sizes}
+    clients = [
+        [prefixes[sizes[(c + r) % len(sizes)]] + ids(args.suffix_tokens) for r in range(args.requests)]
+        for c in range(args.clients)
+    ]
+    return prefixes, clients
+
+
+def _process_tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of ``root`` and its descendants so far (Linux ``/proc``)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    stats: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(entry))
+            stats[int(entry)] = (int(fields[11]) + int(fields[12])) / ticks
+    total, pending = 0.0, [root]
+    while pending:
+        pid = pending.pop()
+        total += stats.get(pid, 0.0)
+        pending += children.get(pid, [])
+    return total
+
+
+def drive(server: VllmServer, clients: list[list[list[int]]], output_tokens: int) -> dict[str, Any]:
+    """Every client sends its prompts one after the other, all clients at once, streaming."""
+
+    def client(prompts: list[list[int]]) -> list[Completion]:
+        return [server.complete(p, max_tokens=output_tokens, logprobs=None, stream=True) for p in prompts]
+
+    cpu_before = _process_tree_cpu_seconds(server.process.pid)
+    began = time.monotonic()
+    with ThreadPoolExecutor(max_workers=len(clients)) as pool:
+        done = list(pool.map(client, clients))
+    wall = time.monotonic() - began
+    cpu = _process_tree_cpu_seconds(server.process.pid) - cpu_before
+    return {"wall_s": wall, "server_cpu_s": cpu, "completions": done}
+
+
+def _percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+
+
+def figures(run: dict[str, Any], prefix_sizes: list[int], suffix: int) -> dict[str, Any]:
+    completions = [c for client in run["completions"] for c in client]
+    ttfts = [c.ttft_s for c in completions if c.ttft_s is not None]
+    hits: dict[str, list[int]] = {}
+    for c in completions:
+        hits.setdefault(str(c.prompt_tokens - suffix), []).append(c.cached)
+    return {
+        "requests": len(completions),
+        "ttft_p50_s": statistics.median(ttfts),
+        "ttft_p99_s": _percentile(ttfts, 0.99),
+        "requests_per_s": len(completions) / run["wall_s"],
+        "wall_s": run["wall_s"],
+        "server_cpu_s": run["server_cpu_s"],
+        "server_cpu_s_per_request": run["server_cpu_s"] / len(completions),
+        "hit_tokens": sum(c.cached for c in completions),
+        "hit_tokens_by_prefix": {size: sorted(set(values)) for size, values in hits.items()},
+        "full_blocks_by_prefix": {str(s): s // BLOCK_SIZE * BLOCK_SIZE for s in prefix_sizes},
+    }
+
+
+def run_config(
+    name: str, args: argparse.Namespace, model: Path, workdir: Path, prompts: Any
+) -> dict[str, Any]:
+    prefixes, clients = prompts
+    config = CONFIGS[name]
+    with contextlib.ExitStack() as stack:
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "VLLM_HOST_IP": "127.0.0.1"}
+        env["MOONCAKE_REQUESTER_LOCAL_HOSTNAME"] = "127.0.0.1"
+        transfer = None
+        if name != "recompute":
+            # Room for every prompt's KV twice over (the loading server stores the suffixes' blocks).
+            kv_per_token = 2 * MODEL_SHAPE["num_kv_heads"] * MODEL_SHAPE["head_dim"] * 2 * args.layers
+            tokens = sum(map(len, prefixes.values())) + sum(len(p) for client in clients for p in client)
+            segment = max(512 << 20, 2 * kv_per_token * tokens)
+            address = stack.enter_context(mooncake_store(segment))
+            store = mooncake_config(address)
+            config_path = workdir / f"{name}.mooncake.json"
+            config_path.write_text(json.dumps(store))
+            env["MOONCAKE_CONFIG_PATH"] = str(config_path)
+            transfer = config.transfer(store, args.aiokv_extra)
+
+        def serve(role: str) -> contextlib.AbstractContextManager[VllmServer]:
+            logger.info("%s: %s server starting", name, role)
+            extra = ["--max-model-len", str(max(map(len, prefixes.values())) + args.suffix_tokens + 64)]
+            return running_server(
+                model, workdir / f"{name}.{role}.log", kv_transfer_config=transfer, env=env, extra_args=extra
+            )
+
+        result: dict[str, Any] = {"connector": transfer}
+        loader = None
+        if transfer is not None:
+            storer = stack.enter_context(serve("store")) if config.fresh_loader else None
+            server = storer or stack.enter_context(serve("load"))
+            for prefix in prefixes.values():
+                server.complete(prefix, max_tokens=1, logprobs=None)
+            # The stores land in the background: a prefix that hits on the storing server is in.
+            result["store_wait_s"] = _wait_stored(server, prefixes)
+            if storer is not None:
+                storer.stop()  # SIGINT now; the stack's own stop later finds it gone
+            else:
+                loader = server
+        if loader is None:
+            loader = stack.enter_context(serve("load"))
+        # One warm-up request (not a shared prefix): the first request of a server pays one-off costs.
+        loader.complete(list(range(3, 3 + 4 * BLOCK_SIZE)), max_tokens=2, logprobs=None)
+        logger.info("%s: %d clients x %d requests", name, len(clients), len(clients[0]))
+        result["run"] = drive(loader, clients, args.output_tokens)
+        return result
+
+
+def _wait_stored(server: VllmServer, prefixes: dict[int, list[int]]) -> float:
+    """Seconds until every prefix hits on ``server`` (without prefix caching every hit is the
+    connector's) and the hits stopped growing (stores land chunk by chunk), or STORE_WAIT_S."""
+    began = time.monotonic()
+    previous: list[int] = []
+    while time.monotonic() - began < STORE_WAIT_S:
+        hits = [server.complete(p, max_tokens=1, logprobs=None).cached for p in prefixes.values()]
+        if all(hits) and hits == previous:
+            return time.monotonic() - began
+        previous = hits
+        time.sleep(1)
+    logger.warning("stores not all in after %.0f s", STORE_WAIT_S)
+    return time.monotonic() - began
+
+
+def compare_tokens(results: dict[str, Any], baseline: str = "recompute") -> dict[str, Any]:
+    """Per configuration: requests whose greedy tokens equal the baseline's, and the first few that do
+    not (client, request, first differing position, hit)."""
+    want = [[c.tokens for c in client] for client in results[baseline]["run"]["completions"]]
+    out: dict[str, Any] = {}
+    for name, result in results.items():
+        equal, different = 0, []
+        for c, client in enumerate(result["run"]["completions"]):
+            for r, completion in enumerate(client):
+                expected = want[c][r]
+                if completion.tokens == expected:
+                    equal += 1
+                    continue
+                position = next(
+                    (i for i, (a, b) in enumerate(zip(completion.tokens, expected, strict=False)) if a != b),
+                    min(len(completion.tokens), len(expected)),
+                )
+                different.append({"client": c, "request": r, "position": position, "hit": completion.cached})
+        out[name] = {"equal": equal, "different": len(different), "examples": different[:8]}
+    return out
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    names = list(summary["figures"])
+    rows = [
+        ("TTFT p50 (s)", "ttft_p50_s", "{:.3f}"),
+        ("TTFT p99 (s)", "ttft_p99_s", "{:.3f}"),
+        ("requests/s", "requests_per_s", "{:.2f}"),
+        ("server CPU s/request", "server_cpu_s_per_request", "{:.2f}"),
+        ("hit tokens (all requests)", "hit_tokens", "{:d}"),
+    ]
+    lines = [f"{'':28}" + "".join(f"{name:>14}" for name in names)]
+    for label, key, fmt in rows:
+        lines.append(f"{label:28}" + "".join(f"{fmt.format(summary['figures'][n][key]):>14}" for n in names))
+    for size in summary["figures"][names[0]]["hit_tokens_by_prefix"]:
+        cells = [
+            ",".join(map(str, summary["figures"][n]["hit_tokens_by_prefix"].get(size, []))) for n in names
+        ]
+        lines.append(f"{'hit per request, ' + size:28}" + "".join(f"{cell:>14}" for cell in cells))
+    lines.append(
+        f"{'greedy tokens = recompute':28}"
+        + "".join(
+            f"{summary['tokens'][n]['equal']}/{summary['figures'][n]['requests']}".rjust(14) for n in names
+        )
+    )
+    for label, ratios in summary["ratios"].items():
+        lines.append(f"{label}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    return "\n".join(lines) + "\n"
+
+
+def ratios(figures_by_name: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each configuration against recompute, and aiokv against vLLM's connector (lower TTFT and CPU,
+    higher requests/s are better)."""
+    keys = ("ttft_p50_s", "ttft_p99_s", "requests_per_s", "server_cpu_s_per_request")
+    pairs = [(name, "recompute") for name in figures_by_name if name != "recompute"]
+    pairs += [("aiokv", "vllm")] if {"aiokv", "vllm"} <= set(figures_by_name) else []
+    return {
+        f"{a} / {b}": {k: figures_by_name[a][k] / figures_by_name[b][k] for k in keys}
+        for a, b in pairs
+        if b in figures_by_name
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_list = sys.argv[1:] if argv is None else list(argv)
+    args = _parser().parse_args(args_list)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    from .cli import _private_namespace
+    from .vllm import _rerun_in_namespace
+
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown or "recompute" not in configs:
+        raise SystemExit(f"--configs must name recompute and any of {', '.join(CONFIGS)}; got {unknown}")
+    if not _private_namespace():
+        return 2 if args.no_unshare else _rerun_in_namespace(["--http", *args_list])
+    prompts = build_prompts(args)
+    with contextlib.ExitStack() as stack:
+        workdir = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="aiokv-http-")))
+        workdir.mkdir(parents=True, exist_ok=True)
+        from aiokv.testing.tiny_model import write_tiny_llama, write_word_tokenizer
+
+        shape = dict(MODEL_SHAPE, num_layers=args.layers)
+        model = write_word_tokenizer(write_tiny_llama(workdir / "model", **shape, seed=args.seed))
+        results = {name: run_config(name, args, model, workdir, prompts) for name in configs}
+    sizes = list(prompts[0])
+    summary: dict[str, Any] = {
+        "figures": {n: figures(r["run"], sizes, args.suffix_tokens) for n, r in results.items()},
+        "tokens": compare_tokens(results),
+        "setup": {"model": shape, "args": vars(args) | {"json": None, "keep": None}},
+    }
+    summary["ratios"] = ratios(summary["figures"])
+    sys.stdout.write(format_table(summary))
+    if args.json is not None:
+        raw = {
+            n: {
+                **r,
+                "run": {**r["run"], "completions": [[vars(c) for c in cl] for cl in r["run"]["completions"]]},
+            }
+            for n, r in results.items()
+        }
+        args.json.write_text(json.dumps({**summary, "raw": raw}, indent=1, default=str))
+    wrong = sum(t["different"] for t in summary["tokens"].values())
+    return 1 if wrong else 0

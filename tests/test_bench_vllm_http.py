@@ -1,0 +1,55 @@
+"""``bench vllm --http``'s reductions (aiokv/bench/vllm_http.py) on made-up completions: percentiles,
+hits per prefix size, ratios, and the greedy-token comparison with recompute."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from aiokv.testing.vllm_server import Completion
+from benchmarks.vllm_http import build_prompts, compare_tokens, figures, ratios
+
+
+def completion(tokens: list[int], cached: int, prompt_tokens: int, ttft: float) -> Completion:
+    return Completion(tokens, [], cached=cached, prompt_tokens=prompt_tokens, seconds=ttft + 1, ttft_s=ttft)
+
+
+def run(completions: list[list[Completion]], wall: float = 10.0, cpu: float = 5.0) -> dict[str, object]:
+    return {"wall_s": wall, "server_cpu_s": cpu, "completions": completions}
+
+
+def test_prompts_share_prefixes_in_turn_with_suffixes_of_their_own() -> None:
+    args = argparse.Namespace(seed=0, prompt_tokens="200,300", suffix_tokens=7, clients=2, requests=3)
+    prefixes, clients = build_prompts(args)
+    assert sorted(prefixes) == [200, 300]
+    assert [[len(p) for p in client] for client in clients] == [[207, 307, 207], [307, 207, 307]]
+    assert clients[0][0][:200] == prefixes[200] and clients[1][0][:300] == prefixes[300]
+    assert clients[0][0][200:] != clients[0][2][200:]  # each request's suffix is its own
+
+
+def test_figures_and_ratios() -> None:
+    slow = run([[completion([1], 0, 207, 4.0), completion([1], 0, 307, 6.0)]], wall=20.0, cpu=10.0)
+    fast = run([[completion([1], 128, 207, 1.0), completion([1], 256, 307, 3.0)]], wall=10.0, cpu=5.0)
+    want = figures(slow, [200, 300], 7)
+    got = figures(fast, [200, 300], 7)
+    assert got["hit_tokens"] == 384 and got["hit_tokens_by_prefix"] == {"200": [128], "300": [256]}
+    assert got["ttft_p50_s"] == pytest.approx(2.0) and got["ttft_p99_s"] == pytest.approx(3.0)
+    assert got["requests_per_s"] == pytest.approx(0.2) and got["server_cpu_s_per_request"] == 2.5
+    table = ratios({"recompute": want, "aiokv": got})
+    assert table["aiokv / recompute"]["ttft_p50_s"] == pytest.approx(0.4)
+    assert table["aiokv / recompute"]["requests_per_s"] == pytest.approx(2.0)
+
+
+def test_greedy_tokens_compared_with_recompute() -> None:
+    results = {
+        "recompute": {"run": run([[completion([1, 2, 3], 0, 207, 1.0)]])},
+        "aiokv": {"run": run([[completion([1, 9, 3], 128, 207, 1.0)]])},
+    }
+    table = compare_tokens(results)
+    assert table["recompute"]["equal"] == 1
+    assert table["aiokv"] == {
+        "equal": 0,
+        "different": 1,
+        "examples": [{"client": 0, "request": 0, "position": 1, "hit": 128}],
+    }

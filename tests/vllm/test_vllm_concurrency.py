@@ -1,0 +1,152 @@
+"""Concurrent, duplicate and prefix-sharing requests at unaligned lengths, on real engines and a real
+Mooncake store: the way a server meets them, with the connector's defaults (asynchronous loads).
+
+Engine A stores twelve prompts sent at once (two copies each of P and Q, four sharing P's first 1,024
+tokens, four sharing Q's first 1,536; no length a multiple of a block). Engine B, a fresh process,
+answers Q alone first (so its free-block list is no longer in order), then the twelve at once, then two
+copies of Q at once, then the twelve again. vLLM's own ``MooncakeStoreConnector`` runs the same steps
+as the control. Every output must give the no-connector run's greedy tokens, and every prompt must hit
+every full block it has stored (at least vLLM's connector's hit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from aiokv.testing.tiny_model import write_tiny_llama
+from tests.vllm.support import (
+    BLOCK,
+    MOONCAKE_ENV,
+    assert_same_greedy,
+    connector,
+    generate,
+    greedy_tolerance,
+    run_engine,
+    store_world,
+    tokens,
+    vllm_mooncake_connector,
+)
+
+pytestmark = pytest.mark.mooncake
+
+P, Q = tokens(61, 2000), tokens(62, 1700)
+TWELVE = [
+    P,
+    P,
+    Q,
+    Q,
+    *(P[:1024] + tokens(70 + i, 600 + 37 * i) for i in range(4)),
+    *(Q[:1536] + tokens(80 + i, 300 + 29 * i) for i in range(4)),
+]
+MAX_TOKENS = 16
+# Many blocks, no preemption: what is tested is concurrency, not memory pressure.
+ENGINE = {"enable_prefix_caching": False, "num_gpu_blocks_override": 320}
+LOADER_STEPS = [
+    generate("q_alone", [Q], max_tokens=MAX_TOKENS),
+    generate("twelve", TWELVE, max_tokens=MAX_TOKENS),
+    generate("q_twice", [Q, Q], max_tokens=MAX_TOKENS),
+    generate("twelve_again", TWELVE, max_tokens=MAX_TOKENS),
+]
+
+
+def full_blocks(prompt: list[int]) -> int:
+    return len(prompt) // BLOCK * BLOCK
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, mooncake_master: Any) -> Iterator[dict[str, Any]]:
+    with store_world(tmp_path_factory.mktemp("vllm-concurrency"), mooncake_master.address) as world:
+        world["model"] = write_tiny_llama(world["root"] / "tiny-llama")
+        yield world
+
+
+@pytest.fixture(scope="module")
+def reference(world: dict[str, Any]) -> dict[str, Any]:
+    """No connector: each distinct prompt alone, and the twelve at once (the control that sizes the
+    logprob tolerance: what batching alone moves on this CPU)."""
+    distinct = list(dict.fromkeys(map(tuple, TWELVE)))
+    steps = [generate(f"alone{i}", [list(p)], max_tokens=MAX_TOKENS) for i, p in enumerate(distinct)]
+    steps.append(generate("twelve", TWELVE, max_tokens=MAX_TOKENS))
+    out = run_engine(world["root"], "reference", model=world["model"], engine=ENGINE, steps=steps)
+    alone = {p: out[f"alone{i}"]["outputs"][0] for i, p in enumerate(distinct)}
+    return {"alone": alone, "concurrent": out["twelve"]["outputs"]}
+
+
+@pytest.fixture(scope="module")
+def tolerance(reference: dict[str, Any], theirs: dict[str, Any]) -> float:
+    """Sized by two controls on this machine: batching alone (no connector, the twelve at once against
+    each alone) and vLLM's own connector's hits against the computed outputs."""
+    controls = [
+        (reference["alone"][tuple(p)], c) for p, c in zip(TWELVE, reference["concurrent"], strict=True)
+    ]
+    for step in LOADER_STEPS:
+        outputs = theirs["loader"][step["name"]]["outputs"]
+        controls += [
+            (reference["alone"][tuple(p)], o) for p, o in zip(prompts_of(step["name"]), outputs, strict=True)
+        ]
+    return greedy_tolerance(controls)
+
+
+def store_then_load(
+    world: dict[str, Any], name: str, kv: dict[str, Any], env: dict[str, str]
+) -> dict[str, Any]:
+    storer = run_engine(
+        world["root"],
+        f"{name}_stores",
+        model=world["model"],
+        engine=ENGINE,
+        env=env,
+        kv_transfer_config=kv,
+        steps=[generate("twelve", TWELVE, max_tokens=MAX_TOKENS), {"op": "sleep", "seconds": 4}],
+    )
+    loader = run_engine(
+        world["root"],
+        f"{name}_loads",
+        model=world["model"],
+        engine=ENGINE,
+        env=env,
+        kv_transfer_config=kv,
+        steps=LOADER_STEPS,
+    )
+    return {"storer": storer, "loader": loader}
+
+
+@pytest.fixture(scope="module")
+def ours(world: dict[str, Any]) -> dict[str, Any]:
+    kv = connector({"backend": "mooncake", "mooncake_config": str(world["mooncake_config"])})
+    return store_then_load(world, "aiokv", kv, MOONCAKE_ENV)
+
+
+@pytest.fixture(scope="module")
+def theirs(world: dict[str, Any]) -> dict[str, Any]:
+    env = {**MOONCAKE_ENV, "MOONCAKE_CONFIG_PATH": str(world["mooncake_config"])}
+    return store_then_load(world, "vllm", vllm_mooncake_connector(), env)
+
+
+def prompts_of(step: str) -> list[list[int]]:
+    return {"q_alone": [Q], "q_twice": [Q, Q]}.get(step, TWELVE)
+
+
+@pytest.mark.parametrize("step", [s["name"] for s in LOADER_STEPS])
+def test_concurrent_duplicate_and_shared_prefix_requests_give_the_reference_tokens(
+    ours: dict[str, Any], reference: dict[str, Any], tolerance: float, step: str
+) -> None:
+    outputs = ours["loader"][step]["outputs"]
+    for i, (prompt, got) in enumerate(zip(prompts_of(step), outputs, strict=True)):
+        assert got["cached"] == full_blocks(prompt), (step, i, got["cached"])
+        assert_same_greedy(got, reference["alone"][tuple(prompt)], tolerance, f"{step}[{i}]")
+
+
+@pytest.mark.parametrize("step", [s["name"] for s in LOADER_STEPS])
+def test_every_prompt_hits_at_least_what_vllms_connector_hits(
+    ours: dict[str, Any], theirs: dict[str, Any], reference: dict[str, Any], tolerance: float, step: str
+) -> None:
+    for i, (prompt, got, control) in enumerate(
+        zip(prompts_of(step), ours["loader"][step]["outputs"], theirs["loader"][step]["outputs"], strict=True)
+    ):
+        assert got["cached"] >= control["cached"], (step, i, got["cached"], control["cached"])
+        # The control is a working connector: its outputs are the reference's.
+        assert_same_greedy(control, reference["alone"][tuple(prompt)], tolerance, f"vllm {step}[{i}]")

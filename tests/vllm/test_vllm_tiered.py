@@ -1,0 +1,107 @@
+"""The host-memory tier in front of Mooncake (``backend: "tiered"``) on real engines and a real master.
+
+Engine A stores two prompts (into its tier and Mooncake) and hits them from its tier once vLLM's prefix
+cache is dropped. Engine B, a fresh process with an empty tier of 24 blocks, loads them from Mooncake
+(promoting them into its tier, which holds only 24 of their 28 blocks: the least recently used are
+dropped), then hits again from both tiers. Every output equals the run without a connector. Run
+inside a private network namespace."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from aiokv.testing.tiny_model import write_tiny_llama
+from tests.vllm.support import MOONCAKE_ENV, connector, generate, run_engine, store_world
+from tests.vllm.test_vllm_host_tier import (
+    FULL_BLOCKS,
+    PROMPTS,
+    REFERENCE_STEPS,
+    P,
+    Q,
+    assert_matches_reference,
+)
+
+pytestmark = pytest.mark.mooncake
+
+BLOCKS = 15 + 13  # P's and Q's full blocks: one key each (chunk_blocks 1)
+SMALL_TIER = "3MiB"  # 24 blocks of the tiny model (2 layers x 64 KiB per block)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory, mooncake_master: Any) -> Iterator[dict[str, Any]]:
+    with store_world(tmp_path_factory.mktemp("vllm-tiered"), mooncake_master.address) as world:
+        world["model"] = write_tiny_llama(world["root"] / "tiny-llama")
+        yield world
+
+
+def tiered(world: dict[str, Any], capacity: str) -> dict[str, Any]:
+    return connector(
+        {
+            "backend": "tiered",
+            "mooncake_config": str(world["mooncake_config"]),
+            "memory_capacity": capacity,
+            "chunk_blocks": 1,
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def runs(world: dict[str, Any]) -> dict[str, Any]:
+    def engine(name: str, steps: list[dict[str, Any]], kv: dict[str, Any] | None = None) -> dict[str, Any]:
+        return run_engine(
+            world["root"], name, model=world["model"], steps=steps, kv_transfer_config=kv, env=MOONCAKE_ENV
+        )
+
+    flush_evict: list[dict[str, Any]] = [{"op": "flush"}, {"op": "evict"}]
+    return {
+        "reference": engine("reference", REFERENCE_STEPS),
+        "a": engine(
+            "tiered-a",
+            [generate("first", PROMPTS), *flush_evict, generate("local", PROMPTS), {"op": "stats"}],
+            tiered(world, "64MiB"),
+        ),
+        "b": engine(
+            "tiered-b",
+            [
+                generate("remote_p", [P]),
+                generate("remote_q", [Q]),
+                *flush_evict,
+                {"op": "stats", "name": "stats_remote"},
+                generate("again", PROMPTS),
+                {"op": "stats"},
+            ],
+            tiered(world, SMALL_TIER),
+        ),
+    }
+
+
+def test_stores_go_to_both_tiers_and_hits_come_from_the_local_one(runs: dict[str, Any]) -> None:
+    a, reference = runs["a"], runs["reference"]
+    assert a["evict"] is True
+    assert [out["cached"] for out in a["local"]["outputs"]] == FULL_BLOCKS
+    assert_matches_reference(a["local"]["outputs"], reference, "local")
+    tier = a["stats"]["host_tier"]
+    assert tier["hits"] == BLOCKS and tier["promotions"] == 0
+    assert a["stats"]["chunks"]["stored"] == BLOCKS  # Mooncake got every block too
+    assert a["stats"]["chunks"].get("loaded", 0) == 0  # nothing was read from Mooncake
+
+
+def test_a_remote_hit_is_promoted_and_eviction_pressure_keeps_outputs_exact(runs: dict[str, Any]) -> None:
+    b, reference = runs["b"], runs["reference"]
+    (remote_p,) = b["remote_p"]["outputs"]
+    (remote_q,) = b["remote_q"]["outputs"]
+    assert [remote_p["cached"], remote_q["cached"]] == FULL_BLOCKS  # from Mooncake: the tier was empty
+    assert_matches_reference([remote_p, remote_q], reference, "remote")
+    before = b["stats_remote"]
+    assert before["host_tier"]["hits"] == 0 and before["chunks"]["loaded"] == BLOCKS
+    # All of P's 15 blocks were promoted, then Q's 13, dropping P's 4 least recently used for room.
+    assert before["host_tier"]["promotions"] == BLOCKS and before["host_tier"]["evictions"] == BLOCKS - 24
+    assert [out["cached"] for out in b["again"]["outputs"]] == FULL_BLOCKS
+    assert_matches_reference(b["again"]["outputs"], reference, "again")
+    after = b["stats"]
+    assert after["host_tier"]["hits"] > 0  # Q (and what is left of P) from the tier...
+    assert after["chunks"]["loaded"] > BLOCKS  # ...P's dropped blocks from Mooncake again
+    assert after["host_tier"]["used_bytes"] <= after["host_tier"]["capacity_bytes"]
