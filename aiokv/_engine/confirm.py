@@ -1,4 +1,4 @@
-"""Step 7 of a batch: a store's successful puts are confirmed readable before any result counts them.
+"""After the puts: a store's successful puts are confirmed readable before any result counts them.
 
 A put answers success for a key that another writer (another worker, another Mooncake client) is
 still writing: the store keeps the first value and says 0 at once, while a get answers "not found" or
@@ -21,7 +21,7 @@ from .._arrays import IntArray
 from ..codes import WRITTEN, Code
 from ..stats import Op, WorkerStats
 from .answers import batch_error
-from .batch_keys import Cycle, pick
+from .batch import Cycle, pick
 from .config import EngineConfig
 from .lanes import EXISTS_PIECE_KEYS, Lane, Lanes
 from .plan import Plan, Rows

@@ -1,13 +1,13 @@
 """One dispatcher batch, from drained requests to backend calls and back.
 
 1. hash the prompts on the loop, in short slices (:mod:`.hashing`);
-2. build keys and their positions in the batch (:mod:`.batch_keys`), and claim the store keys, so no
-   key is written twice, by two requests of this batch or by two overlapping batches (:mod:`.claims`);
+2. build keys and their positions in the batch (:mod:`.batch`), and claim the store keys, so no
+   key is written twice, by two requests of this batch or by two overlapping batches (:mod:`.batch`);
 3. one ``batch_exists`` for all keys, on the control lane (a lookup batch's on the lookup lane);
 4. decisions: what needs no transfer is settled, the rest planned per group (:mod:`.plan`); keys
-   whose reads failed are not skipped but removed and rewritten (:mod:`.unreadable`, :mod:`.rewrite`);
+   whose reads failed are not skipped but removed and rewritten (:mod:`.rewrite`);
 5. per group one ``regions_for_chunks`` call, then backend calls split to at most
-   ``max_regions_per_call`` regions (:mod:`.regions`, :mod:`.transfer`);
+   ``max_regions_per_call`` regions (:mod:`.call_split`, :mod:`.transfer`);
 6. per-chunk codes from each answer (:mod:`.answers`) written back into each request;
 7. the keys whose puts answered success confirmed readable, waiting for another writer's write of
    them (:mod:`.confirm`); the tracker settles every request (:mod:`.tracker`).
@@ -28,21 +28,18 @@ from .._arrays import BoolArray
 from ..codes import Code
 from ..errors import AiokvError, BackendError
 from ..stats import Kind, Op, WorkerStats
-from .answers import batch_error
-from .backoff import PressureBackoff
-from .batch_keys import Cycle, KeyArray, assign_positions
-from .claims import Claims
+from .answers import PressureBackoff, batch_error
+from .batch import Claims, Cycle, KeyArray, assign_positions
 from .config import EngineConfig
 from .confirm import WriteConfirmation
 from .hashing import hash_now, hash_prompts
 from .lanes import EXISTS_PIECE_KEYS, Lane, Lanes
 from .plan import Plan, decide
 from .request import Request
-from .rewrite import Rewrites
+from .rewrite import Rewrites, UnreadableKeys
 from .slices import PIECE_KEYS, LoopSlice, pieces
 from .tracker import RequestTracker
 from .transfer import GroupTransfer, all_settled
-from .unreadable import UnreadableKeys
 
 logger = logging.getLogger("aiokv")
 
@@ -163,7 +160,7 @@ class BatchPipeline:
                 raise AiokvError(f"request #{request.id} reached key building unhashed")
             per_group: list[KeyArray] = []
             for prefix in config.prefixes:
-                keys = np.empty(len(hashes), dtype=object)  # see the batch_keys module on the collector
+                keys = np.empty(len(hashes), dtype=object)  # see the batch module on the collector
                 for part in pieces(len(hashes)):
                     keys[part] = [prefix + h for h in hashes[part]]
                     await clock.tick()

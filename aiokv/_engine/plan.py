@@ -1,4 +1,4 @@
-"""Step 4 of a batch: decisions. Per request, settle what needs no transfer (present store keys are
+"""Decisions. Per request, settle what needs no transfer (present store keys are
 skipped, a load stops at its first hole) and collect, per group, the rows of chunks to move."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 from .._arrays import BoolArray, IntArray
 from ..codes import Code
 from ..stats import Kind, Op
-from .batch_keys import Cycle, Keys
-from .request import Request, Wait
+from .batch import Cycle, Keys, Wait
+from .request import Request
 from .slices import LoopSlice
 
 
