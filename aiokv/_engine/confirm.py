@@ -13,19 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import numpy as np
 
 from .._arrays import IntArray
 from ..codes import WRITTEN, Code
-from ..stats import Op, WorkerStats
-from .answers import batch_error
+from ..stats import Op
 from .batch import Cycle, pick
-from .config import EngineConfig
-from .lanes import EXISTS_PIECE_KEYS, Lane, Lanes
+from .exists import ExistenceCheck
+from .lanes import Lanes
 from .plan import Plan, Rows
-from .tracker import RequestTracker
+from .request import Request
 
 logger = logging.getLogger("aiokv")
 
@@ -39,13 +38,9 @@ _MAX_DELAY_S = 0.05
 class WriteConfirmation:
     """Confirms the keys one batch's puts answered success for; shared by every batch of a worker."""
 
-    def __init__(
-        self, config: EngineConfig, lanes: Lanes, tracker: RequestTracker, stats: WorkerStats
-    ) -> None:
-        self._config = config
+    def __init__(self, exists: ExistenceCheck, lanes: Lanes) -> None:
+        self._exists = exists
         self._lanes = lanes
-        self._tracker = tracker
-        self._stats = stats
 
     async def confirm(self, cycle: Cycle, plan: Plan, put_again: PutAgain) -> None:
         """Leave ``WRITTEN`` only on keys present now; ``put_again(rows_per_group)`` re-runs puts."""
@@ -61,8 +56,9 @@ class WriteConfirmation:
             waiting = np.flatnonzero((cycle.outcome == WRITTEN) & ~confirmed)
             if not waiting.size:
                 return
-            present = await self._exists(cycle, puts, waiting)
-            if present is None:
+            present = await self._exists.check(pick(cycle.keys, waiting), _requests_of(puts, waiting))
+            if present is None:  # its requests failed with the check's error
+                _set_codes(cycle, puts, waiting, Code.BACKEND_EXCEPTION)
                 return
             confirmed[waiting[present]] = True
             absent = waiting[~present]
@@ -83,26 +79,6 @@ class WriteConfirmation:
             # read WRITER_CANCELLED, which ends the wait for them.
             await put_again(_rows_of(puts, absent))
 
-    async def _exists(self, cycle: Cycle, puts: Plan, waiting: IntArray) -> np.ndarray | None:
-        """Presence of the ``waiting`` keys; if the check raises, their requests fail with it."""
-        keys = pick(cycle.keys, waiting)
-        self._stats.backend_calls[Op.EXISTS] += len(range(0, len(keys), EXISTS_PIECE_KEYS))
-        try:
-            exists = self._config.backend.batch_exists
-            answer = await self._lanes.run_pieces(Lane.CONTROL, exists, keys, EXISTS_PIECE_KEYS)
-            if len(answer) != len(keys):
-                raise ValueError(f"batch_exists answered {len(answer)} values for {len(keys)} keys")
-            return np.asarray(answer, dtype=bool)
-        except Exception as exc:
-            self._stats.backend_exceptions[Op.EXISTS] += 1
-            logger.warning("aiokv: batch_exists confirming %d written keys failed: %s", len(keys), exc)
-            error = batch_error("batch_exists", exc)
-            _set_codes(cycle, puts, waiting, Code.BACKEND_EXCEPTION)
-            for rows in _rows_of(puts, waiting):
-                for r in rows:
-                    self._tracker.fail(r.request, error)
-            return None
-
 
 def _rows_of(puts: Plan, positions: IntArray) -> Plan:
     """Per group, the put rows (of every request) whose keys are at ``positions`` of the batch."""
@@ -115,6 +91,13 @@ def _rows_of(puts: Plan, positions: IntArray) -> Plan:
                 selected.append(Rows(rows.request, Op.PUT, rows.chunks[mask], rows.positions[mask]))
         out.append(selected)
     return out
+
+
+def _requests_of(puts: Plan, positions: IntArray) -> Iterator[Request]:
+    """The requests putting the keys at ``positions`` (computed only when asked: a failed check)."""
+    for selected in _rows_of(puts, positions):
+        for rows in selected:
+            yield rows.request
 
 
 def _set_codes(cycle: Cycle, puts: Plan, positions: IntArray, code: Code) -> None:

@@ -3,7 +3,8 @@
 1. hash the prompts on the loop, in short slices (:mod:`.hashing`);
 2. build keys and their positions in the batch (:mod:`.batch`), and claim the store keys, so no
    key is written twice, by two requests of this batch or by two overlapping batches (:mod:`.batch`);
-3. one ``batch_exists`` for all keys, on the control lane (a lookup batch's on the lookup lane);
+3. one ``batch_exists`` for all keys, on the control lane (a lookup batch's on the lookup lane)
+   (:mod:`.exists`);
 4. decisions: what needs no transfer is settled, the rest planned per group (:mod:`.plan`); keys
    whose reads failed are not skipped but removed and rewritten (:mod:`.rewrite`);
 5. per group one ``regions_for_chunks`` call, then backend calls split to at most
@@ -20,24 +21,24 @@ bounded slice (:mod:`.slices`), whether the batch holds 10,000 requests or a 62,
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence, Sized
 
 import numpy as np
 
 from .._arrays import BoolArray
 from ..codes import Code
-from ..errors import AiokvError, BackendError
-from ..stats import Kind, Op, WorkerStats
-from .answers import PressureBackoff, batch_error
+from ..errors import AiokvError
+from ..stats import Kind, WorkerStats
+from .answers import PressureBackoff
 from .batch import Claims, Cycle, KeyArray, assign_positions
 from .config import EngineConfig
 from .confirm import WriteConfirmation
+from .exists import ExistenceCheck
 from .hashing import hash_now, hash_prompts
-from .lanes import EXISTS_PIECE_KEYS, Lane, Lanes
+from .lanes import Lane, Lanes
 from .plan import Plan, decide
 from .request import Request
 from .rewrite import Rewrites, UnreadableKeys
-from .slices import PIECE_KEYS, LoopSlice, pieces
+from .slices import LoopSlice, pieces
 from .tracker import RequestTracker
 from .transfer import GroupTransfer, all_settled
 
@@ -61,7 +62,8 @@ class BatchPipeline:
         self._claims = Claims()
         self._backoff = PressureBackoff(config.pressure_backoff_s, stats)
         self._transfer = GroupTransfer(config, lanes, tracker, stats, self._backoff)
-        self._confirmation = WriteConfirmation(config, lanes, tracker, stats)
+        self._exists = ExistenceCheck(config, lanes, tracker, stats)
+        self._confirmation = WriteConfirmation(self._exists, lanes)
         self._unreadable = UnreadableKeys()
         self._rewrites = Rewrites(config, lanes, tracker, self._unreadable)
 
@@ -71,7 +73,7 @@ class BatchPipeline:
         try:
             live = await self._prepare_keys(batch, cycle)
             await self._claims.claim(cycle, [r for r in live if r.kind is Kind.STORE])
-            present = await self._exists(cycle, live)
+            present = await self._exists.check(cycle.keys, live)
             if present is not None:
                 live = [r for r in live if not r.finished]
                 groups = self._config.groups
@@ -99,7 +101,7 @@ class BatchPipeline:
         cycle = Cycle.new()
         try:
             live = await self._prepare_keys(batch, cycle)
-            present = await self._exists(cycle, live, Lane.LOOKUP)  # never behind a batch's check
+            present = await self._exists.check(cycle.keys, live, Lane.LOOKUP)  # never behind a batch's check
             if present is None:
                 return
             clock = LoopSlice()
@@ -127,13 +129,9 @@ class BatchPipeline:
             n = request.num_chunks
             keys = [prefix + h for prefix in config.prefixes for h in hashes]
             request.positions = tuple(np.arange(g * n, (g + 1) * n) for g in range(config.groups))
-            self._stats.backend_calls[Op.EXISTS] += 1
-            try:
-                present = _presence(config.backend.batch_exists(keys), keys)
-            except Exception as exc:
-                self._check_failed(len(keys), exc, [request])
-                return True
-            self._answer_lookup(request, present)
+            present = self._exists.check_now(keys, [request])
+            if present is not None:
+                self._answer_lookup(request, present)
         except Exception as exc:
             logger.exception("aiokv: a lookup failed unexpectedly")
             self._fail_all([request], AiokvError(f"internal error in lookup: {exc!r}"), exc)
@@ -175,34 +173,6 @@ class BatchPipeline:
             request.positions = tuple(mine)
         return live
 
-    async def _exists(self, cycle: Cycle, live: list[Request], lane: Lane = Lane.CONTROL) -> BoolArray | None:
-        """Presence of every key of the batch (checked on ``lane``); on failure every live request
-        fails, and None."""
-        keys = cycle.keys
-        if not len(keys):
-            return np.zeros(0, dtype=bool)
-        on_loop = lane is Lane.LOOKUP and self._config.exists_in_process
-        size = PIECE_KEYS if on_loop else EXISTS_PIECE_KEYS
-        self._stats.backend_calls[Op.EXISTS] += len(range(0, len(keys), size))
-        try:
-            check = self._config.backend.batch_exists
-            if on_loop:
-                answer = await self._lanes.run_pieces_on_loop(check, keys, size)
-            else:
-                answer = await self._lanes.run_pieces(lane, check, keys, EXISTS_PIECE_KEYS)
-            return _presence(answer, keys)
-        except Exception as exc:
-            self._check_failed(len(keys), exc, live)
-            return None
-
-    def _check_failed(self, keys: int, exc: Exception, requests: list[Request]) -> None:
-        """A ``batch_exists`` raised: every request it was for fails with it."""
-        self._stats.backend_exceptions[Op.EXISTS] += 1
-        error = batch_error("batch_exists", exc)
-        logger.warning("aiokv: batch_exists of %d keys failed: %s", keys, exc)
-        for request in requests:
-            self._tracker.fail(request, error)
-
     async def _settle(self, batch: list[Request]) -> None:
         """Resolve shared chunks from their writers' outcomes; settle every request (the tracker settles
         one request at a time; the slicing of a large batch is here)."""
@@ -216,9 +186,3 @@ class BatchPipeline:
                     request.codes[wait.group][wait.chunks] = np.where(outcome >= 0, Code.PRESENT, outcome)
                 self._tracker.settle(request)
             request.drop_data()  # freed here, a slice at a time, not all at once as the batch ends
-
-
-def _presence(answer: Sequence[bool], keys: Sized) -> BoolArray:
-    if len(answer) != len(keys):
-        raise BackendError(f"batch_exists answered {len(answer)} values for {len(keys)} keys")
-    return np.asarray(answer, dtype=bool)
