@@ -36,8 +36,9 @@ def key_array(keys: Collection[str]) -> KeyArray:
 class Cycle:
     """The keys of one batch and the outcome of the store keys it claimed.
 
-    ``outcome`` is written by the batch that claimed a key; ``outcomes_ready`` is set once every
-    outcome of the batch is final, for requests of other batches that wait on them.
+    ``outcome`` is written (through the tracker, :mod:`.tracker`) by the batch that claimed a key;
+    ``outcomes_ready`` is set once every outcome of the batch is final (``RequestTracker.publish``), for
+    requests of other batches that wait on them.
     """
 
     outcomes_ready: asyncio.Future[None]
@@ -62,12 +63,6 @@ class Cycle:
         self.keys = keys
         self.owned = np.zeros(len(keys), dtype=bool)
         self.outcome = np.full(len(keys), Code.PENDING, dtype=np.int64)
-
-    def publish(self) -> None:
-        """Mark every outcome final: a claimed key nobody wrote went away with its writer."""
-        self.outcome[self.owned & (self.outcome == Code.PENDING)] = Code.WRITER_CANCELLED
-        if not self.outcomes_ready.done():
-            self.outcomes_ready.set_result(None)
 
 
 @dataclass(slots=True)
@@ -205,7 +200,7 @@ class Claims:
         cycle.claimed = cycle.keys if owned.all() else cycle.keys[owned]
 
     async def release(self, cycle: Cycle) -> None:
-        """Drop ``cycle``'s claims and publish its outcomes to the requests waiting on them."""
+        """Drop ``cycle``'s claims (its outcomes are published next: ``RequestTracker.publish``)."""
         claims = self._owner
         clock = LoopSlice()
         for part in pieces(len(cycle.claimed)):
@@ -213,4 +208,3 @@ class Claims:
                 del claims[key]
             await clock.tick()
         self._batches.pop(cycle.number, None)
-        cycle.publish()

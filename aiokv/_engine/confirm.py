@@ -25,6 +25,7 @@ from .exists import ExistenceCheck
 from .lanes import Lanes
 from .plan import Plan, Rows
 from .request import Request
+from .tracker import RequestTracker
 
 logger = logging.getLogger("aiokv")
 
@@ -38,9 +39,10 @@ _MAX_DELAY_S = 0.05
 class WriteConfirmation:
     """Confirms the keys one batch's puts answered success for; shared by every batch of a worker."""
 
-    def __init__(self, exists: ExistenceCheck, lanes: Lanes) -> None:
+    def __init__(self, exists: ExistenceCheck, lanes: Lanes, tracker: RequestTracker) -> None:
         self._exists = exists
         self._lanes = lanes
+        self._tracker = tracker
 
     async def confirm(self, cycle: Cycle, plan: Plan, put_again: PutAgain) -> None:
         """Leave ``WRITTEN`` only on keys present now; ``put_again(rows_per_group)`` re-runs puts."""
@@ -58,7 +60,7 @@ class WriteConfirmation:
                 return
             present = await self._exists.check(pick(cycle.keys, waiting), _requests_of(puts, waiting))
             if present is None:  # its requests failed with the check's error
-                _set_codes(cycle, puts, waiting, Code.BACKEND_EXCEPTION)
+                self._set_codes(cycle, puts, waiting, Code.BACKEND_EXCEPTION)
                 return
             confirmed[waiting[present]] = True
             absent = waiting[~present]
@@ -71,13 +73,20 @@ class WriteConfirmation:
                     absent.size,
                     OTHER_WRITER_WAIT_S,
                 )
-                _set_codes(cycle, puts, absent, Code.WRITE_IN_PROGRESS)
+                self._set_codes(cycle, puts, absent, Code.WRITE_IN_PROGRESS)
                 return
             await asyncio.sleep(delay)
             delay = min(2 * delay, _MAX_DELAY_S)
             # A request cancelled or timed out meanwhile gets no go-ahead for its put: its keys then
             # read WRITER_CANCELLED, which ends the wait for them.
             await put_again(_rows_of(puts, absent))
+
+    def _set_codes(self, cycle: Cycle, puts: Plan, positions: IntArray, code: Code) -> None:
+        """``code`` for the keys at ``positions``: the batch's outcome, and every request putting them."""
+        self._tracker.set_outcome(cycle, positions, code)
+        for group, selected in enumerate(_rows_of(puts, positions)):
+            for rows in selected:
+                self._tracker.set_codes(rows.request, group, rows.chunks, code)
 
 
 def _rows_of(puts: Plan, positions: IntArray) -> Plan:
@@ -98,11 +107,3 @@ def _requests_of(puts: Plan, positions: IntArray) -> Iterator[Request]:
     for selected in _rows_of(puts, positions):
         for rows in selected:
             yield rows.request
-
-
-def _set_codes(cycle: Cycle, puts: Plan, positions: IntArray, code: Code) -> None:
-    """``code`` for the keys at ``positions``: in the batch's outcomes and in every request putting them."""
-    cycle.outcome[positions] = code
-    for group, selected in enumerate(_rows_of(puts, positions)):
-        for rows in selected:
-            rows.request.codes[group][rows.chunks] = code

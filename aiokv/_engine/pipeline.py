@@ -9,9 +9,10 @@
    whose reads failed are not skipped but removed and rewritten (:mod:`.rewrite`);
 5. per group one ``regions_for_chunks`` call, then backend calls split to at most
    ``max_regions_per_call`` regions (:mod:`.call_split`, :mod:`.transfer`);
-6. per-chunk codes from each answer (:mod:`.answers`) written back into each request;
+6. per-chunk codes from each answer (:mod:`.answers`), written into each request by the tracker;
 7. the keys whose puts answered success confirmed readable, waiting for another writer's write of
-   them (:mod:`.confirm`); the tracker settles every request (:mod:`.tracker`).
+   them (:mod:`.confirm`); the tracker publishes the batch's outcomes and settles every request
+   (:mod:`.tracker`, the only writer of codes, outcomes and lifecycles).
 
 The bookkeeping is vectorised over chunks: per key only hashing, string building and one dict
 operation or two happen in Python. Every per-request or per-key loop yields to the loop within a
@@ -24,8 +25,6 @@ import logging
 
 import numpy as np
 
-from .._arrays import BoolArray
-from ..codes import Code
 from ..errors import AiokvError
 from ..stats import Kind, WorkerStats
 from .answers import PressureBackoff
@@ -63,7 +62,7 @@ class BatchPipeline:
         self._backoff = PressureBackoff(config.pressure_backoff_s, stats)
         self._transfer = GroupTransfer(config, lanes, tracker, stats, self._backoff)
         self._exists = ExistenceCheck(config, lanes, tracker, stats)
-        self._confirmation = WriteConfirmation(self._exists, lanes)
+        self._confirmation = WriteConfirmation(self._exists, lanes, tracker)
         self._unreadable = UnreadableKeys()
         self._rewrites = Rewrites(config, lanes, tracker, self._unreadable)
 
@@ -80,7 +79,13 @@ class BatchPipeline:
                 unreadable = self._unreadable.contains if len(self._unreadable) else None
                 backing_off = self._backoff.active()
                 plan = await decide(
-                    cycle, live, present, groups, backing_off=backing_off, unreadable=unreadable
+                    cycle,
+                    live,
+                    present,
+                    groups,
+                    self._tracker,
+                    backing_off=backing_off,
+                    unreadable=unreadable,
                 )
                 plan = await self._rewrites.prepare(cycle, plan)
                 await self._move(cycle, plan)
@@ -92,6 +97,7 @@ class BatchPipeline:
             self._fail_all(batch, AiokvError(f"internal error in the dispatcher: {exc!r}"), exc)
         finally:
             await self._claims.release(cycle)
+            self._tracker.publish(cycle)
         await self._settle(batch)
 
     async def _move(self, cycle: Cycle, plan: Plan) -> None:
@@ -108,7 +114,7 @@ class BatchPipeline:
             for request in live:
                 await clock.tick()
                 if not request.finished:
-                    self._answer_lookup(request, present)
+                    self._tracker.answer_lookup(request, present)
         except Exception as exc:
             logger.exception("aiokv: a lookup batch failed unexpectedly")
             self._fail_all(batch, AiokvError(f"internal error in lookup: {exc!r}"), exc)
@@ -131,15 +137,11 @@ class BatchPipeline:
             request.positions = tuple(np.arange(g * n, (g + 1) * n) for g in range(config.groups))
             present = self._exists.check_now(keys, [request])
             if present is not None:
-                self._answer_lookup(request, present)
+                self._tracker.answer_lookup(request, present)
         except Exception as exc:
             logger.exception("aiokv: a lookup failed unexpectedly")
             self._fail_all([request], AiokvError(f"internal error in lookup: {exc!r}"), exc)
         return True
-
-    def _answer_lookup(self, request: Request, present: BoolArray) -> None:
-        request.codes = tuple(present[p].astype(np.int64) for p in request.positions)
-        self._tracker.settle(request)
 
     def _fail_all(self, batch: list[Request], error: AiokvError, cause: Exception) -> None:
         error.__cause__ = cause
@@ -165,9 +167,7 @@ class BatchPipeline:
                 per_group.append(keys)
             request.keys = tuple(per_group)
             request.hashes = None  # the keys hold what is needed from now on
-            request.codes = tuple(
-                np.full(request.num_chunks, Code.PENDING, dtype=np.int64) for _ in config.prefixes
-            )
+            self._tracker.open_codes(request, config.groups)
         positions = await assign_positions(cycle, [r.keys for r in live])
         for request, mine in zip(live, positions, strict=True):
             request.positions = tuple(mine)
@@ -183,6 +183,6 @@ class BatchPipeline:
                 for wait in request.waits:
                     await wait.cycle.outcomes_ready
                     outcome = await wait.cycle.outcome_of(wait.keys)
-                    request.codes[wait.group][wait.chunks] = np.where(outcome >= 0, Code.PRESENT, outcome)
+                    self._tracker.take_outcomes(request, wait.group, wait.chunks, outcome)
                 self._tracker.settle(request)
             request.drop_data()  # freed here, a slice at a time, not all at once as the batch ends

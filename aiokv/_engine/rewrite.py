@@ -118,7 +118,8 @@ class Rewrites:
                 if not drop.any():
                     kept[group].append(rows)
                     continue
-                rows.request.codes[group][rows.chunks[drop]] = cycle.outcome[rows.positions[drop]]
+                outcome = cycle.outcome[rows.positions[drop]]
+                self._tracker.set_codes(rows.request, group, rows.chunks[drop], outcome)
                 if error is not None:
                     self._tracker.fail(rows.request, error)
                 if not drop.all():
@@ -129,7 +130,7 @@ class Rewrites:
         """``batch_remove(force=True)`` of the keys at ``positions``; the positions that cannot be
         rewritten (their failure code in ``cycle.outcome``), and the error if the call raised."""
         if not self._can_remove:
-            cycle.outcome[positions] = Code.TRANSFER_FAILED
+            self._tracker.set_outcome(cycle, positions, Code.TRANSFER_FAILED)
             return positions, None
         keys = pick(cycle.keys, positions)
         remove = self._config.backend.batch_remove  # type: ignore[attr-defined]
@@ -139,9 +140,9 @@ class Rewrites:
                 raise ValueError(f"batch_remove answered {codes.shape} codes for {len(keys)} keys")
         except Exception as exc:
             logger.warning("aiokv: batch_remove of %d unreadable keys failed: %s", len(keys), exc)
-            cycle.outcome[positions] = Code.BACKEND_EXCEPTION
+            self._tracker.set_outcome(cycle, positions, Code.BACKEND_EXCEPTION)
             return positions, batch_error("batch_remove", exc)
         bad = (codes < 0) & (codes != Code.NOT_FOUND)
         logger.info("aiokv: rewriting %d keys whose reads failed", len(keys) - int(bad.sum()))
-        cycle.outcome[positions[bad]] = codes[bad]
+        self._tracker.set_outcome(cycle, positions[bad], codes[bad])
         return positions[bad], None

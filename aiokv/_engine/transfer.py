@@ -101,9 +101,10 @@ class GroupTransfer:
             await clock.tick()
             if alive[j]:
                 codes = row_codes[offsets[j] : offsets[j + 1]]
-                r.request.codes[group][r.chunks] = codes
                 if r.op is Op.PUT:
-                    cycle.outcome[r.positions] = codes
+                    self._tracker.set_store_codes(cycle, r.request, group, r.chunks, r.positions, codes)
+                else:
+                    self._tracker.set_codes(r.request, group, r.chunks, codes)
         for failed_rows, error in row_errors:
             for j in np.unique(rows.plan_of_row[failed_rows]).tolist():
                 await clock.tick()
@@ -141,7 +142,7 @@ class GroupTransfer:
         for j, r in enumerate(plan):
             ok = alive[j] = self._tracker.plan_transfer(r.request)
             if not ok and r.op is Op.PUT:
-                cycle.outcome[r.positions] = Code.WRITER_CANCELLED
+                self._tracker.set_outcome(cycle, r.positions, Code.WRITER_CANCELLED)
             await clock.tick()
         return alive
 
