@@ -1,6 +1,6 @@
 """The transfer of one KV-cache group: the group's regions (one ``regions_for_chunks`` call), the
 tracker's go-ahead for each request, the backend calls (split by :mod:`.call_split`), and each answer's
-codes (:mod:`.answers`) written back into the requests and the batch's shared outcomes.
+codes (:mod:`.answers`), which the tracker writes into the requests and the batch's shared outcomes.
 
 Admission: a call goes only when a transfer thread is free for it, and only for the requests still
 going then (the tracker's per-call go-ahead for each request the call carries); rows of requests
