@@ -16,8 +16,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from ._arrays import as_positive_int, as_timeout
 from ._engine.config import EngineConfig
 from ._engine.dispatcher import Dispatcher
@@ -42,7 +40,7 @@ from .backends.base import Backend, backend_traits, check_backend
 from .breaker import BreakerConfig, CircuitBreaker
 from .errors import AiokvError, WorkerClosedError
 from .futures import TransferFuture
-from .keys import HashedPrompt, KeyNamespace, TokenIds, chain_seed
+from .keys import HashedPrompt, KeyNamespace, TokenIds
 from .layout import KVLayout
 from .leases import LeaseBudget, lease_ledger
 from .results import LoadResult, StoreResult
@@ -130,15 +128,11 @@ class KVWorker:
         self._guard = (
             BreakerGuard(CircuitBreaker(breaker), backend, self._tracker) if breaker is not None else None
         )
-        self._config = EngineConfig(
-            layouts=checked_layouts,
-            backend=backend if self._guard is None else self._guard.backend,  # type: ignore[arg-type]
-            chunk_tokens=chunk_tokens,
-            seed=chain_seed(chunk_tokens),
-            prefixes=tuple(
-                namespace.prefix(layout.fingerprint, g) for g, layout in enumerate(checked_layouts)
-            ),
-            blocks_per_chunk=tuple(chunk_tokens // layout.block_size for layout in checked_layouts),
+        self._config = EngineConfig.build(
+            checked_layouts,
+            backend if self._guard is None else self._guard.backend,  # type: ignore[arg-type]
+            namespace,
+            chunk_tokens,
             max_regions_per_call=as_positive_int(
                 traits.max_regions_per_call if max_regions_per_call is None else max_regions_per_call,
                 "max_regions_per_call",
@@ -357,8 +351,7 @@ class KVWorker:
     ) -> TransferFuture[Any]:
         request = self._new_request(kind, tokens, block_ids, timeout)
         if request.num_chunks == 0:
-            request.codes = tuple(np.zeros(0, dtype=np.int64) for _ in self._config.layouts)
-            self._tracker.settle(request)
+            self._tracker.finish_empty(request, self._config.groups)
         elif self._guard is not None and not self._guard.allow(kind):
             self._tracker.refuse(request)
         else:
