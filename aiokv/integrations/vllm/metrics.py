@@ -18,6 +18,7 @@ COUNTERS = {
     "bytes_put": "Bytes written to the store",
     "bytes_get": "Bytes read from the store",
     "backend_errors": "Per-chunk error codes answered by the store",
+    "chunks_verify_failed": "Chunks read whole whose checksum, key or fingerprint did not match (recomputed)",
 }
 
 

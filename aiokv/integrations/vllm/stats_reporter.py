@@ -8,6 +8,7 @@ import math
 import time
 from typing import Any
 
+from ...codes import Code
 from ...errors import WorkerClosedError
 from ...threaded import ThreadedKVWorker
 
@@ -26,6 +27,7 @@ def connector_counters(stats: dict[str, Any]) -> dict[str, int]:
         "bytes_put": moved.get("put", 0),
         "bytes_get": moved.get("get", 0),
         "backend_errors": sum(stats["backend_errors"].values()),
+        "chunks_verify_failed": stats["backend_errors"].get(int(Code.VERIFY_FAILED), 0),
     }
 
 
