@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from aiokv import Code
 from aiokv.testing.tiny_model import write_tiny_llama
 from tests.vllm.support import (
     BLOCK,
@@ -36,7 +37,7 @@ PREEMPT = [tokens(10 + i, 1150) for i in range(4)]  # 9 blocks, 2 tokens short o
 INTEROP_D = tokens(30, 1300)
 INTEROP_E = tokens(31, 1300)
 SLOW_PUTS = "tests.vllm.support:slow_put_mooncake"
-MODEL_NAME = "tiny-llama"  # both weight sets store under one name: the control's keys collide on purpose
+MODEL_NAME = "tiny-llama"  # both weight sets store under one name: their keys collide on purpose
 
 
 @pytest.fixture(scope="module")
@@ -155,13 +156,18 @@ def test_shared_prefix_hits_and_matches(loaded: dict[str, Any], reference: dict[
     assert matches(got, reference, "b", PROMPT_B)
 
 
-def test_wrong_stored_values_change_outputs(loaded: dict[str, Any], reference: dict[str, Any]) -> None:
-    """Negative control: C's stored KV came from other weights; B loads it and its outputs differ,
-    so the comparisons above would catch wrong KV."""
+def test_other_weights_under_the_same_keys_are_refused_chunk_by_chunk(
+    loaded: dict[str, Any], reference: dict[str, Any]
+) -> None:
+    """C's stored KV came from other weights under the same key names (same ``model_name``): B finds
+    its 8 chunks, refuses every one on load (the values' fingerprint names another model), recomputes
+    them, and its outputs are the cold run's. Without verification B loaded that KV and its outputs
+    differed (the negative control is now tests/vllm/test_vllm_verify.py's, with verification off)."""
     got = only(loaded["B"], "c")
-    assert got["cached"] == 8 * BLOCK
-    want = reference[("cold", tuple(PROMPT_C))]
-    assert got["tokens"] != want["tokens"]
+    assert got["tokens"] == reference[("cold", tuple(PROMPT_C))]["tokens"]
+    stats = loaded["B"]["stats"]
+    assert stats["verification"]["fingerprint"] == 8, stats["verification"]
+    assert stats["backend_errors"] == {str(int(Code.VERIFY_FAILED)): 8}, stats["backend_errors"]
 
 
 def test_preemption_with_stores_in_flight_stores_right_bytes(
