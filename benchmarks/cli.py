@@ -59,6 +59,10 @@ SUITES = {
         "benchmarks.checksums",
         "checksum libraries for verified values: GB/s vs memcpy, GIL release",
     ),
+    "verify-cost": (
+        "benchmarks.verify_cost",
+        "verified values on vs off: store and load wall and CPU per request",
+    ),
     "mooncake-conversion": (
         "benchmarks.mooncake_conversion",
         "the Mooncake binding's argument conversion (GIL held) per argument form, one large batch",

@@ -20,11 +20,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 
 from aiokv import Code, KVWorker, MemoryBackend
 from aiokv.backends.value_header import HEADER_BYTES
 from aiokv.backends.verified import VerifiedBackend
 from aiokv.errors import BackendError
+from aiokv.metrics import PrometheusExporter
 from aiokv.testing import SENTINEL, PagedCache, same_blocks
 
 from .helpers import TWO_GROUP_SPECS, TWO_GROUPS_CHUNK_TOKENS, chunk_keys, prompt
@@ -266,7 +268,7 @@ def test_closed_wrapper_refuses_calls(inner: Any) -> None:
 
 def test_worker_reports_the_corrupt_chunk_failed() -> None:
     """Through KVWorker: one flipped bit fails exactly that chunk (the loaded prefix ends there),
-    counted in stats as VERIFY_FAILED; every other chunk of both groups loads its bytes."""
+    counted in stats and Prometheus as VERIFY_FAILED; every other chunk of both groups loads its bytes."""
     src = PagedCache.allocate(TWO_GROUP_SPECS, fill="random", seed=1)
     dst = PagedCache.allocate(TWO_GROUP_SPECS, fill=SENTINEL)
     inner = MemoryBackend(capacity_bytes=64 << 20)
@@ -290,6 +292,10 @@ def test_worker_reports_the_corrupt_chunk_failed() -> None:
         async with KVWorker(dst.layouts, backend, namespace="verified", chunk_tokens=c) as worker:
             loaded = await worker.load(tokens, ids)
             stats = worker.stats()
+            registry = CollectorRegistry()
+            PrometheusExporter(worker, registry)
+            labels = {"code": str(int(Code.VERIFY_FAILED)), "error": "VERIFY_FAILED"}
+            assert registry.get_sample_value("aiokv_backend_errors_total", labels) == 1
         assert loaded.loaded_tokens == 2 * c
         assert loaded.errors == {int(Code.VERIFY_FAILED): 1}
         per = [c // layout.block_size for layout in src.layouts]
