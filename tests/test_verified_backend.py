@@ -163,6 +163,22 @@ def test_swapped_values_fail_both_keys(
     assert sum("identity" in r.getMessage() for r in caplog.records) == 2
 
 
+def test_a_damaged_header_fails_its_value(
+    verified: tuple[VerifiedBackend, Values], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A bit flipped in the header's length field: the value fails for its framing (length)."""
+    backend, values = verified
+    victim = values.keys[5]
+    value = raw_value(backend.inner, victim)
+    value[VALUE_BYTES + 8] ^= 0x01  # the length field's lowest byte
+    raw_write(backend.inner, {victim: value})
+    with caplog.at_level(logging.WARNING, logger="aiokv"):
+        codes = values.get()
+    assert failed_keys(codes) == [5] and codes[5] == Code.VERIFY_FAILED
+    assert backend.verification_stats()["length"] == 1
+    assert any(victim in r.getMessage() and "length" in r.getMessage() for r in caplog.records)
+
+
 def test_failures_are_logged_once_per_key(
     verified: tuple[VerifiedBackend, Values], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -172,10 +172,10 @@ class VerifiedBackend(ClosingContext):
         for part, part_keys, sub, base, space in self._pages(keys, addrs, sizes):
             lengths = sub.key_totals()
             with self._arena.page(len(part_keys)) as (headers, first):
-                answer = read(part_keys, *_with_headers(sub, first))
+                answer = [int(code) for code in read(part_keys, *_with_headers(sub, first))]
                 # Copied out before the page goes back to the arena.
                 framing = mismatches(headers, lengths, part_keys, self._fingerprint_digest)
-                stored = headers[["checksum", "key", "fingerprint"]].copy()
+                stored = headers.copy()
             self._check_answers(part_keys, sub, lengths, answer, framing, stored, base, space)
             _scatter_codes(codes, part, answer)
         return codes
