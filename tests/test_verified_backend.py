@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from aiokv import Code, KVWorker, MemoryBackend
+from aiokv import Code, KVWorker, MemoryBackend, backend_traits
 from aiokv.backends.value_header import HEADER_BYTES
 from aiokv.backends.verified import VerifiedBackend
 from aiokv.errors import BackendError
@@ -333,3 +333,43 @@ def test_worker_reports_the_corrupt_chunk_failed() -> None:
     finally:
         backend.close()
     assert inner.closed
+
+
+class ReplicaReading(MemoryBackend):
+    """The embedded store with a replica read (as MooncakeBackend's: a get's arguments and answers)."""
+
+    def read_from_replicas(self, keys: Any, addrs: Any, sizes: Any) -> list[int]:
+        return self.batch_get(keys, addrs, sizes)
+
+
+class WithoutRemove:
+    """A store offering only the protocol's required methods."""
+
+    def __init__(self) -> None:
+        self.inner = MemoryBackend(capacity_bytes=1 << 20)
+        self.register_buffer = self.inner.register_buffer
+        self.batch_exists = self.inner.batch_exists
+        self.batch_put = self.inner.batch_put
+        self.batch_get = self.inner.batch_get
+        self.close = self.inner.close
+
+
+def test_optional_members_follow_the_inner_store() -> None:
+    """A replica read is verified like a get; members the inner store lacks are absent."""
+    replicas = VerifiedBackend(ReplicaReading(capacity_bytes=1 << 20), FINGERPRINT)
+    values = Values(replicas)
+    try:
+        with registered(replicas, values.src), registered(replicas, values.dst):
+            assert values.put() == [0] * KEYS
+            addrs, sizes = values.regions(int(values.dst.ctypes.data))
+            assert replicas.read_from_replicas(values.keys, addrs, sizes) == [VALUE_BYTES] * KEYS
+            assert all(values.loaded(k) for k in range(KEYS))
+            assert replicas.verification_stats()["verified"] == KEYS
+            assert backend_traits(replicas).can_remove and backend_traits(replicas).exists_in_process
+    finally:
+        replicas.close()
+    bare = VerifiedBackend(WithoutRemove(), FINGERPRINT)  # type: ignore[arg-type]
+    traits = backend_traits(bare)
+    assert not traits.can_remove and not traits.exists_in_process
+    assert not hasattr(bare, "read_from_replicas") and not hasattr(bare, "health_check")
+    bare.close()
