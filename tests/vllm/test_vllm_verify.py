@@ -110,7 +110,7 @@ def store_steps() -> list[dict[str, Any]]:
 
 def load_steps() -> list[dict[str, Any]]:
     loads = [generate(name, [prompt], max_tokens=MAX_TOKENS) for name, prompt in PROMPTS.items()]
-    return [*loads, {"op": "stats"}]
+    return [*loads, {"op": "flush"}, {"op": "stats"}]
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +149,8 @@ def test_damaged_chunks_fail_and_are_recomputed_to_the_reference_outputs(runs: d
     assert (verification["checksum"], verification["identity"]) == (1, 2), verification
     assert verification["fingerprint"] == verification["format"] == verification["length"] == 0
     assert stats["events"]["load_error_blocks"] >= 3
+    # The broken values were dropped, so B stored those chunks again once it had recomputed them.
+    assert stats["chunks"]["stored"] == 3, stats["chunks"]
     # Each logged once, naming its key.
     for key in runs["damaged"]:
         assert sum(key in line and "failed verification" in line for line in b["log"].splitlines()) == 1
@@ -162,6 +164,7 @@ def test_without_verification_the_damage_is_loaded_and_changes_the_outputs(runs:
     assert "verification" not in stats
     assert not stats["backend_errors"], stats["backend_errors"]
     assert stats["chunks"]["loaded"] == CHUNKS * len(PROMPTS), stats["chunks"]
+    assert stats["chunks"].get("stored", 0) == 0  # nothing failed, so nothing was written again
     for name in ("swap1", "swap2"):
         got = only(b, name)
         assert got["cached"] == CHUNKS * BLOCK
