@@ -21,12 +21,13 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping
 from typing import Any
 
+from ...backends.verified import VerifiedBackend
 from ...results import LoadResult
 from ...threaded import ThreadedKVWorker
 from .clients import acquire_backend, at_exit, release_backend, safe_call
 from .config import ConnectorConfig
 from .geometry import KVGeometry, engine_layout
-from .keys import key_namespace
+from .keys import key_namespace, value_fingerprint
 from .metadata import AiokvConnectorMetadata, TransferSpec
 from .stats_reporter import StatsReporter
 from .tier_worker import TierWorker, open_tier_worker
@@ -67,6 +68,7 @@ class WorkerSide:
 
         self.config = config
         self.geometry = geometry
+        self.vllm_config = vllm_config
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.tp_rank = int(get_tensor_model_parallel_rank())
         self.namespace = key_namespace(
@@ -75,7 +77,8 @@ class WorkerSide:
         # MLA: the KV is the same on every TP rank; one rank writes the shared key, all read it.
         self.writes = not (geometry.is_mla and self.tp_rank != 0)
         self.chunk_tokens = config.chunk_blocks * geometry.block_size
-        self._backend: Any = None
+        self._backend: Any = None  # this process's shared backend (clients.acquire_backend)
+        self._verified: VerifiedBackend | None = None  # over it, when values are verified
         self._worker: ThreadedKVWorker | TierWorker | None = None
         self._on_cuda = False
         self._loads: dict[str, tuple[concurrent.futures.Future[LoadResult] | None, TransferSpec]] = {}
@@ -103,9 +106,14 @@ class WorkerSide:
         store_worker: ThreadedKVWorker | None = None
         try:
             if self._backend is not None:
+                backend = self._backend
+                if self.config.verify_values:
+                    fingerprint = value_fingerprint(self.vllm_config, self.namespace, self.geometry, layout)
+                    # The shared backend is released (and closed) by its owner, not by the wrapper.
+                    backend = self._verified = VerifiedBackend(self._backend, fingerprint, close_inner=False)
                 store_worker = ThreadedKVWorker(
                     layout,
-                    self._backend,
+                    backend,
                     namespace=self.namespace,
                     chunk_tokens=self.chunk_tokens,
                     executor_threads=self.config.executor_threads,
@@ -119,20 +127,19 @@ class WorkerSide:
             if store_worker is not None:  # the tier failed: nothing may use the store's worker either
                 safe_call("closing the aiokv worker", lambda: store_worker.close(timeout=30.0))
             self._worker = None
-            if self._backend is not None:
-                release_backend(self.engine_id, self._backend)
-            self._backend = None
+            self._release_backend()
             return
         if self._worker is None:
             return
         self._stats = StatsReporter(self._worker, _STATS_INTERVAL_S)
         at_exit(self.shutdown)
         logger.info(
-            "aiokv: KV cache registered (%d layers x %d blocks of %d bytes, %d tokens per key)",
+            "aiokv: KV cache registered (%d layers x %d blocks of %d bytes, %d tokens per key, values %s)",
             layout.num_regions,
             layout.num_blocks,
             self.geometry.page_bytes,
             self.chunk_tokens,
+            "verified" if self._verified is not None else "not verified",
         )
 
     # -- each step ------------------------------------------------------------------------------
@@ -263,6 +270,8 @@ class WorkerSide:
         if self._worker is not None:
             worker_stats = self._worker.stats()
             out.update({key: value for key, value in worker_stats.items() if key != "latency"})
+        if self._verified is not None:
+            out["verification"] = self._verified.verification_stats()
         return out
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -277,6 +286,12 @@ class WorkerSide:
         if self._worker is not None:
             worker, self._worker = self._worker, None
             safe_call("closing the aiokv worker", lambda: worker.close(timeout=30.0))
+        self._release_backend()
+
+    def _release_backend(self) -> None:
+        if self._verified is not None:
+            verified, self._verified = self._verified, None
+            safe_call("closing the value verification", verified.close)
         if self._backend is not None:
             backend, self._backend = self._backend, None
             release_backend(self.engine_id, backend)
