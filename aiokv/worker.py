@@ -31,10 +31,10 @@ from ._validate import (
     check_backoff,
     check_block_ids,
     check_chunk_tokens,
+    check_instance,
     check_layouts,
     check_layouts_reachable,
     check_tokens,
-    default_chunk_tokens,
 )
 from .backends.base import Backend, backend_traits, check_backend
 from .breaker import BreakerConfig, CircuitBreaker
@@ -101,24 +101,15 @@ class KVWorker:
         traits = backend_traits(backend)
         if isinstance(namespace, str):
             namespace = KeyNamespace(namespace)
-        if not isinstance(namespace, KeyNamespace):
-            raise TypeError("namespace must be a KeyNamespace or a model name")
-        chunk_tokens = (
-            default_chunk_tokens(checked_layouts)
-            if chunk_tokens is None
-            else as_positive_int(chunk_tokens, "chunk_tokens")
-        )
-        check_chunk_tokens(chunk_tokens, checked_layouts)
+        check_instance(namespace, KeyNamespace, "namespace")
+        chunk_tokens = check_chunk_tokens(chunk_tokens, checked_layouts)
         check_layouts_reachable(checked_layouts, backend, traits.supports_device_memory)
         backoff_s = check_backoff(pressure_backoff_s)
         self._max_batches = as_positive_int(max_concurrent_batches, "max_concurrent_batches")
         self._threads = as_positive_int(executor_threads, "executor_threads")
-        if not isinstance(close_backend, bool):
-            raise TypeError(f"close_backend must be a bool, not {type(close_backend).__name__}")
-        if breaker is not None and not isinstance(breaker, BreakerConfig):
-            raise TypeError(f"breaker must be a BreakerConfig or None, not {type(breaker).__name__}")
-        if lease_budget is not None and not isinstance(lease_budget, LeaseBudget):
-            raise TypeError(f"lease_budget must be a LeaseBudget or None, not {type(lease_budget).__name__}")
+        check_instance(close_backend, bool, "close_backend")
+        check_instance(breaker, BreakerConfig, "breaker", optional=True)
+        check_instance(lease_budget, LeaseBudget, "lease_budget", optional=True)
         self._registration = Registration(
             checked_layouts, backend, can_unregister=traits.can_unregister, close_backend=close_backend
         )
@@ -327,14 +318,9 @@ class KVWorker:
             self._tracker.finish_lookup(request, 0)
         else:
             self._running_dispatcher().submit_lookup(request)
-        found = granted  # unless it answers: the store may have leased them all the same
-        try:
-            result: int = await request.future
-            found = result // self._config.chunk_tokens
-        finally:
-            if leases is not None and granted:
-                leases.settle(granted, found)
-        return result
+        if leases is None or not granted:
+            return await request.future
+        return await leases.held_until(request.future, granted, self._config.chunk_tokens)
 
     def stats(self) -> dict[str, Any]:
         """Counters since start and recent latency summaries (see :class:`aiokv.stats.WorkerStats`);
