@@ -28,6 +28,7 @@ from .backends.base import (
     keys_per_call,
 )
 from .backends.memory import MemoryBackend
+from .backends.verified import VerifiedBackend
 from .breaker import BreakerConfig, BreakerState, CircuitBreaker
 from .codes import PUBLIC_ERROR_CODES, Code, code_name
 from .errors import (
@@ -102,6 +103,7 @@ __all__ = [
     "TokenIds",
     "TransferFuture",
     "TransferTimeoutError",
+    "VerifiedBackend",
     "WorkerClosedError",
     "WorkerState",
     "backend_traits",

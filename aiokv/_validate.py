@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ._arrays import IntArray, as_int64_array
+from ._arrays import IntArray, as_int64_array, as_positive_int
 from .errors import InvalidRequestError
 from .keys import HashedPrompt, TokenIds, uint32_tokens
 from .layout import KVLayout
@@ -40,13 +40,25 @@ def default_chunk_tokens(layouts: Sequence[KVLayout]) -> int:
     return -(-DEFAULT_CHUNK_TOKENS // unit) * unit
 
 
-def check_chunk_tokens(chunk_tokens: int, layouts: Sequence[KVLayout]) -> None:
+def check_chunk_tokens(chunk_tokens: object, layouts: Sequence[KVLayout]) -> int:
+    """``chunk_tokens`` checked against every group's block size (None: the default for the layouts)."""
+    if chunk_tokens is None:
+        return default_chunk_tokens(layouts)
+    chunk_tokens = as_positive_int(chunk_tokens, "chunk_tokens")
     for group, layout in enumerate(layouts):
         if chunk_tokens % layout.block_size:
             raise InvalidRequestError(
                 f"chunk_tokens {chunk_tokens} is not a multiple of group {group}'s "
                 f"block_size {layout.block_size}"
             )
+    return chunk_tokens
+
+
+def check_instance(value: object, kind: type, name: str, *, optional: bool = False) -> None:
+    """TypeError unless ``value`` is a ``kind`` (or None, when ``optional``)."""
+    if not (isinstance(value, kind) or (optional and value is None)):
+        allowed = f"a {kind.__name__} or None" if optional else f"a {kind.__name__}"
+        raise TypeError(f"{name} must be {allowed}, not {type(value).__name__}")
 
 
 def check_layouts_reachable(layouts: Sequence[KVLayout], backend: object, device_memory: bool) -> None:

@@ -3,7 +3,8 @@
 A backend answers each key of a batch call with a code: ``>= 0`` success (for a get, the bytes read),
 ``< 0`` an error. The negative codes are Mooncake's where Mooncake has one, so the same numbers mean the
 same thing whichever backend answered. aiokv adds three public codes of its own for chunks whose outcome
-another request decided, and two internal markers that never leave the worker.
+another request decided, one for a value that failed verification (``VERIFY_FAILED``), and two
+internal markers that never leave the worker.
 
 Public results (``StoreResult.errors`` / ``LoadResult.errors``) and ``stats()["backend_errors"]`` hold
 only :data:`PUBLIC_ERROR_CODES` and codes a backend answered.
@@ -29,6 +30,8 @@ class Code(enum.IntEnum):
     WRITER_CANCELLED = -10  # the request that was to write the chunk went away before writing it
     BACKEND_EXCEPTION = -11  # the batch call writing the chunk raised instead of answering
     WRITE_IN_PROGRESS = -12  # the put answered success, but another writer's bytes never became readable
+    # -- aiokv's own public code: a value read whole that failed its check (aiokv.VerifiedBackend) ---
+    VERIFY_FAILED = -13  # its checksum, key or fingerprint did not match: the chunk is recomputed
     # -- aiokv's internal markers: never in a result ------------------------------------------------
     PRESENT = 1  # a store chunk already in the store, or written by another request
     PENDING = -(1 << 40)  # not decided yet

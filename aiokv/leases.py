@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -109,6 +109,17 @@ class LeaseLedger:
         if found > 0:
             self._held.append((self._clock() + self.lease_s, found))
             self._held_chunks += found
+
+    async def held_until(self, answer: Awaitable[int], granted: int, chunk_tokens: int) -> int:
+        """The lookup's ``answer`` (tokens found); then :meth:`settle`: the chunks it found stay counted
+        leased, or all ``granted`` if it failed (the store may have leased them all the same)."""
+        found = granted
+        try:
+            tokens = await answer
+            found = tokens // chunk_tokens
+        finally:
+            self.settle(granted, found)
+        return tokens
 
     def snapshot(self) -> dict[str, Any]:
         return {

@@ -16,8 +16,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from ._arrays import as_positive_int, as_timeout
 from ._engine.config import EngineConfig
 from ._engine.dispatcher import Dispatcher
@@ -33,16 +31,16 @@ from ._validate import (
     check_backoff,
     check_block_ids,
     check_chunk_tokens,
+    check_instance,
     check_layouts,
     check_layouts_reachable,
     check_tokens,
-    default_chunk_tokens,
 )
 from .backends.base import Backend, backend_traits, check_backend
 from .breaker import BreakerConfig, CircuitBreaker
 from .errors import AiokvError, WorkerClosedError
 from .futures import TransferFuture
-from .keys import HashedPrompt, KeyNamespace, TokenIds, chain_seed
+from .keys import HashedPrompt, KeyNamespace, TokenIds
 from .layout import KVLayout
 from .leases import LeaseBudget, lease_ledger
 from .results import LoadResult, StoreResult
@@ -103,24 +101,15 @@ class KVWorker:
         traits = backend_traits(backend)
         if isinstance(namespace, str):
             namespace = KeyNamespace(namespace)
-        if not isinstance(namespace, KeyNamespace):
-            raise TypeError("namespace must be a KeyNamespace or a model name")
-        chunk_tokens = (
-            default_chunk_tokens(checked_layouts)
-            if chunk_tokens is None
-            else as_positive_int(chunk_tokens, "chunk_tokens")
-        )
-        check_chunk_tokens(chunk_tokens, checked_layouts)
+        check_instance(namespace, KeyNamespace, "namespace")
+        chunk_tokens = check_chunk_tokens(chunk_tokens, checked_layouts)
         check_layouts_reachable(checked_layouts, backend, traits.supports_device_memory)
         backoff_s = check_backoff(pressure_backoff_s)
         self._max_batches = as_positive_int(max_concurrent_batches, "max_concurrent_batches")
         self._threads = as_positive_int(executor_threads, "executor_threads")
-        if not isinstance(close_backend, bool):
-            raise TypeError(f"close_backend must be a bool, not {type(close_backend).__name__}")
-        if breaker is not None and not isinstance(breaker, BreakerConfig):
-            raise TypeError(f"breaker must be a BreakerConfig or None, not {type(breaker).__name__}")
-        if lease_budget is not None and not isinstance(lease_budget, LeaseBudget):
-            raise TypeError(f"lease_budget must be a LeaseBudget or None, not {type(lease_budget).__name__}")
+        check_instance(close_backend, bool, "close_backend")
+        check_instance(breaker, BreakerConfig, "breaker", optional=True)
+        check_instance(lease_budget, LeaseBudget, "lease_budget", optional=True)
         self._registration = Registration(
             checked_layouts, backend, can_unregister=traits.can_unregister, close_backend=close_backend
         )
@@ -130,15 +119,11 @@ class KVWorker:
         self._guard = (
             BreakerGuard(CircuitBreaker(breaker), backend, self._tracker) if breaker is not None else None
         )
-        self._config = EngineConfig(
-            layouts=checked_layouts,
-            backend=backend if self._guard is None else self._guard.backend,  # type: ignore[arg-type]
-            chunk_tokens=chunk_tokens,
-            seed=chain_seed(chunk_tokens),
-            prefixes=tuple(
-                namespace.prefix(layout.fingerprint, g) for g, layout in enumerate(checked_layouts)
-            ),
-            blocks_per_chunk=tuple(chunk_tokens // layout.block_size for layout in checked_layouts),
+        self._config = EngineConfig.build(
+            checked_layouts,
+            backend if self._guard is None else self._guard.backend,  # type: ignore[arg-type]
+            namespace,
+            chunk_tokens,
             max_regions_per_call=as_positive_int(
                 traits.max_regions_per_call if max_regions_per_call is None else max_regions_per_call,
                 "max_regions_per_call",
@@ -333,14 +318,9 @@ class KVWorker:
             self._tracker.finish_lookup(request, 0)
         else:
             self._running_dispatcher().submit_lookup(request)
-        found = granted  # unless it answers: the store may have leased them all the same
-        try:
-            result: int = await request.future
-            found = result // self._config.chunk_tokens
-        finally:
-            if leases is not None and granted:
-                leases.settle(granted, found)
-        return result
+        if leases is None or not granted:
+            return await request.future
+        return await leases.held_until(request.future, granted, self._config.chunk_tokens)
 
     def stats(self) -> dict[str, Any]:
         """Counters since start and recent latency summaries (see :class:`aiokv.stats.WorkerStats`);
@@ -357,8 +337,7 @@ class KVWorker:
     ) -> TransferFuture[Any]:
         request = self._new_request(kind, tokens, block_ids, timeout)
         if request.num_chunks == 0:
-            request.codes = tuple(np.zeros(0, dtype=np.int64) for _ in self._config.layouts)
-            self._tracker.settle(request)
+            self._tracker.finish_empty(request, self._config.groups)
         elif self._guard is not None and not self._guard.allow(kind):
             self._tracker.refuse(request)
         else:

@@ -56,6 +56,14 @@ SUITES = {
     "cluster": ("benchmarks.cluster", "cross-node GB/s (worker vs direct) and recovery times in namespaces"),
     "scale": ("benchmarks.scale", "loop stalls finishing 10,000 requests and a 62,500-key prompt"),
     "handoff": ("benchmarks.handoff", "an engine thread's cost to submit a step: store() vs store_many()"),
+    "checksums": (
+        "benchmarks.checksums",
+        "checksum libraries for verified values: GB/s vs memcpy, GIL release",
+    ),
+    "verify-cost": (
+        "benchmarks.verify_cost",
+        "verified values on vs off: store and load wall and CPU per request",
+    ),
     "mooncake-conversion": (
         "benchmarks.mooncake_conversion",
         "the Mooncake binding's argument conversion (GIL held) per argument form, one large batch",

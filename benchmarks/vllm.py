@@ -2,11 +2,12 @@
 vLLM engine, and against recomputing, in one run on one model and one workload.
 
 Per configuration (``recompute``: no connector; ``vllm``: ``MooncakeStoreConnector``; ``aiokv``:
-``AiokvConnector``; ``aiokv-vllm-keys``: it with ``"key_format": "vllm"``) a fresh Mooncake master and a
-holder process that mounts the store's segment, so every load and store crosses processes over TCP
-(standalone-store mode: the engines mount nothing). One engine process stores, a second one loads;
-each is its own subprocess running the in-process engine (``benchmarks.vllm_engine``). Greedy tokens
-must be equal in every configuration, or the run fails.
+``AiokvConnector``; ``aiokv-vllm-keys``: it with ``"key_format": "vllm"``; ``aiokv-unverified``: it with
+``"verify_values": false``, against which ``aiokv``'s cost of verified values is measured) a fresh
+Mooncake master and a holder process that mounts the store's segment, so every load and store crosses
+processes over TCP (standalone-store mode: the engines mount nothing). One engine process stores, a
+second one loads; each is its own subprocess running the in-process engine (``benchmarks.vllm_engine``).
+Greedy tokens must be equal in every configuration, or the run fails.
 
 Mooncake opens sockets on all interfaces: the benchmark runs in a private network namespace, re-running
 itself under ``unshare -rn`` when it is not in one. Progress goes to stderr, the table to stdout.
@@ -42,8 +43,8 @@ from .vllm_workload import BLOCK_SIZE, MODEL_SHAPE, build_workload, stored_bytes
 
 logger = logging.getLogger("benchmarks.vllm")
 
-CONFIGS = ("recompute", "vllm", "aiokv", "aiokv-vllm-keys")
-AIOKV_CONFIGS = ("aiokv", "aiokv-vllm-keys")
+CONFIGS = ("recompute", "vllm", "aiokv", "aiokv-vllm-keys", "aiokv-unverified")
+AIOKV_CONFIGS = ("aiokv", "aiokv-vllm-keys", "aiokv-unverified")
 CHECKOUT = Path(__file__).resolve().parent.parent  # the repository root: benchmarks are not installed
 ENGINE_TIMEOUT_S = 1200.0
 
@@ -148,6 +149,7 @@ def kv_transfer_config(
     if name == "vllm":
         return {"kv_connector": "MooncakeStoreConnector", **common}
     key_format = "vllm" if name == "aiokv-vllm-keys" else "aiokv"
+    unverified = {"verify_values": False} if name == "aiokv-unverified" else {}
     return {
         "kv_connector": "AiokvConnector",
         "kv_connector_module_path": "aiokv.integrations.vllm",
@@ -155,6 +157,7 @@ def kv_transfer_config(
             "backend": "mooncake",
             "mooncake_config": store_config,
             "key_format": key_format,
+            **unverified,
             **(aiokv_extra or {}),
         },
         **common,

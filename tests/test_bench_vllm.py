@@ -16,7 +16,14 @@ from typing import Any
 import pytest
 
 from benchmarks import vllm as bench
-from benchmarks.vllm_figures import check_outputs, output_mismatches, reference_boundaries, step_inflation
+from benchmarks.vllm_figures import (
+    check_outputs,
+    format_table,
+    output_mismatches,
+    reference_boundaries,
+    step_inflation,
+    summarize,
+)
 
 from .mooncake_support import in_ci, require_mooncake
 
@@ -201,3 +208,27 @@ def test_step_inflation_judges_every_configuration_on_the_same_steps() -> None:
         "recompute": 1.0,
         "x": 1.0,
     }
+
+
+def test_verification_cost_is_judged_against_the_same_connector_unverified() -> None:
+    figures = {
+        "recompute": {"load_cpu_s:2000": 3.0},
+        "aiokv": {
+            "load_cpu_s:2000": 1.04,
+            "store_cpu_s:2000": 1.10,
+            "ttft_s:2000": 0.5,
+            "hit_tokens:2000": 1920,
+        },
+        "aiokv-unverified": {"load_cpu_s:2000": 1.0, "store_cpu_s:2000": 1.0, "ttft_s:2000": 0.5},
+    }
+    summary = summarize(figures)
+    ratios = summary["ratios"]["aiokv/aiokv-unverified"]
+    assert ratios == pytest.approx({"load_cpu_s:2000": 1.04, "store_cpu_s:2000": 1.10, "ttft_s:2000": 1.0})
+    assert summary["goals"] == {
+        "load_cpu_s:2000 <= 1.05x unverified": True,
+        "store_cpu_s:2000 <= 1.05x unverified": False,
+        "ttft_s:2000 <= 1.05x unverified": True,
+    }
+    assert "aiokv/aiokv-unverified" in format_table(summary).splitlines()[0]
+    config = bench.kv_transfer_config("aiokv-unverified", {"master_server_address": "x"})
+    assert config is not None and config["kv_connector_extra_config"]["verify_values"] is False

@@ -25,7 +25,7 @@ import pytest
 
 from aiokv import Code, KVWorker, MemoryBackend, StoreResult
 from aiokv._engine import confirm as confirm_module
-from aiokv._engine.unreadable import UnreadableKeys
+from aiokv._engine.rewrite import UnreadableKeys
 from aiokv.backends import memory as memory_backend
 from aiokv.backends.base import backend_traits, check_backend
 from aiokv.backends.mooncake_master import segment_holder

@@ -1,8 +1,10 @@
-"""Step 6 of a batch: a backend call's answer (its result, or the exception it raised) into per-key
-codes, counted in the stats and logged by code name; and the aiokv error a failed call hands on."""
+"""A backend call's answer (its result, or the exception it raised) into per-key codes, counted in the
+stats and logged by code name; the aiokv error a failed call hands on; and the store-pressure backoff
+an answer of "full" (-200) starts (:class:`PressureBackoff`)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sized
 
@@ -12,9 +14,32 @@ from .._arrays import IntArray
 from ..codes import WRITTEN, Code, code_name
 from ..errors import AiokvError, BackendError, BackendUnavailableError, WorkerClosedError
 from ..stats import Op, WorkerStats
-from .backoff import PressureBackoff
 
 logger = logging.getLogger("aiokv")
+
+
+class PressureBackoff:
+    """After the store answers "full" (-200), stores pause for a while (their missing chunks fail
+    ``NO_SPACE`` without a call) instead of hammering a full store."""
+
+    def __init__(self, seconds: float, stats: WorkerStats) -> None:
+        self._seconds = seconds
+        self._stats = stats
+        self._until = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self._seconds > 0
+
+    def active(self) -> bool:
+        return asyncio.get_running_loop().time() < self._until
+
+    def enter(self) -> None:
+        now = asyncio.get_running_loop().time()
+        if now >= self._until:
+            self._stats.pressure_backoffs += 1
+            logger.warning("aiokv: store full (-200); backing off stores for %.2f s", self._seconds)
+        self._until = now + self._seconds
 
 
 def answer_codes(

@@ -1,9 +1,9 @@
-"""Step 5 of a batch: region planning. One group's rows (chunks to move, of many requests) become
+"""Call splitting. One group's rows (chunks to move, of many requests) become
 backend calls of at most ``max_regions_per_call`` regions each (:func:`~aiokv.backends.base.keys_per_call`),
 so that no call holds the GIL for long while the binding converts its arguments, and a large move is
 spread over every transfer thread. A call also carries the rows of at most
 :data:`REQUESTS_PER_CALL` requests: its go-ahead and its return visit each of them on the loop, in
-one piece (:mod:`.admission`)."""
+one piece (:func:`.transfer.admit`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from .._arrays import BoolArray, IntArray
 from ..backends.base import keys_per_call
 from ..layout import RegionBatch
 from ..stats import Op
-from .batch_keys import KeyArray, consecutive, rows_of
+from .batch import KeyArray, consecutive, rows_of
 from .plan import Rows
 from .slices import LoopSlice, pieces
 

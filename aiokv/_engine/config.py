@@ -1,10 +1,13 @@
-"""The engine's frozen configuration: what every step of a batch reads, built once by the worker."""
+"""The engine's frozen configuration: what every step of a batch reads, built once by the worker
+(:meth:`EngineConfig.build`, from its checked arguments)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..backends.base import Backend
+from ..keys import KeyNamespace, chain_seed
 from ..layout import KVLayout
 
 
@@ -20,6 +23,34 @@ class EngineConfig:
     transfer_threads: int  # the worker's executor_threads: large moves are split across them
     pressure_backoff_s: float  # how long stores pause after the store answered "full"
     exists_in_process: bool  # the backend's trait: lookups are answered on the loop
+
+    @classmethod
+    def build(
+        cls,
+        layouts: Sequence[KVLayout],
+        backend: Backend,
+        namespace: KeyNamespace,
+        chunk_tokens: int,
+        *,
+        max_regions_per_call: int,
+        transfer_threads: int,
+        pressure_backoff_s: float,
+        exists_in_process: bool,
+    ) -> EngineConfig:
+        """The figures derived from the worker's checked arguments: the digest chain's seed, each
+        group's key prefix and blocks per chunk."""
+        return cls(
+            layouts=tuple(layouts),
+            backend=backend,
+            chunk_tokens=chunk_tokens,
+            seed=chain_seed(chunk_tokens),
+            prefixes=tuple(namespace.prefix(layout.fingerprint, g) for g, layout in enumerate(layouts)),
+            blocks_per_chunk=tuple(chunk_tokens // layout.block_size for layout in layouts),
+            max_regions_per_call=max_regions_per_call,
+            transfer_threads=transfer_threads,
+            pressure_backoff_s=pressure_backoff_s,
+            exists_in_process=exists_in_process,
+        )
 
     @property
     def groups(self) -> int:

@@ -1,4 +1,4 @@
-"""Step 7 of a batch: a store's successful puts are confirmed readable before any result counts them.
+"""After the puts: a store's successful puts are confirmed readable before any result counts them.
 
 A put answers success for a key that another writer (another worker, another Mooncake client) is
 still writing: the store keeps the first value and says 0 at once, while a get answers "not found" or
@@ -13,18 +13,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import numpy as np
 
 from .._arrays import IntArray
 from ..codes import WRITTEN, Code
-from ..stats import Op, WorkerStats
-from .answers import batch_error
-from .batch_keys import Cycle, pick
-from .config import EngineConfig
-from .lanes import EXISTS_PIECE_KEYS, Lane, Lanes
+from ..stats import Op
+from .batch import Cycle, pick
+from .exists import ExistenceCheck
+from .lanes import Lanes
 from .plan import Plan, Rows
+from .request import Request
 from .tracker import RequestTracker
 
 logger = logging.getLogger("aiokv")
@@ -39,13 +39,10 @@ _MAX_DELAY_S = 0.05
 class WriteConfirmation:
     """Confirms the keys one batch's puts answered success for; shared by every batch of a worker."""
 
-    def __init__(
-        self, config: EngineConfig, lanes: Lanes, tracker: RequestTracker, stats: WorkerStats
-    ) -> None:
-        self._config = config
+    def __init__(self, exists: ExistenceCheck, lanes: Lanes, tracker: RequestTracker) -> None:
+        self._exists = exists
         self._lanes = lanes
         self._tracker = tracker
-        self._stats = stats
 
     async def confirm(self, cycle: Cycle, plan: Plan, put_again: PutAgain) -> None:
         """Leave ``WRITTEN`` only on keys present now; ``put_again(rows_per_group)`` re-runs puts."""
@@ -61,8 +58,9 @@ class WriteConfirmation:
             waiting = np.flatnonzero((cycle.outcome == WRITTEN) & ~confirmed)
             if not waiting.size:
                 return
-            present = await self._exists(cycle, puts, waiting)
-            if present is None:
+            present = await self._exists.check(pick(cycle.keys, waiting), _requests_of(puts, waiting))
+            if present is None:  # its requests failed with the check's error
+                self._set_codes(cycle, puts, waiting, Code.BACKEND_EXCEPTION)
                 return
             confirmed[waiting[present]] = True
             absent = waiting[~present]
@@ -75,7 +73,7 @@ class WriteConfirmation:
                     absent.size,
                     OTHER_WRITER_WAIT_S,
                 )
-                _set_codes(cycle, puts, absent, Code.WRITE_IN_PROGRESS)
+                self._set_codes(cycle, puts, absent, Code.WRITE_IN_PROGRESS)
                 return
             await asyncio.sleep(delay)
             delay = min(2 * delay, _MAX_DELAY_S)
@@ -83,25 +81,12 @@ class WriteConfirmation:
             # read WRITER_CANCELLED, which ends the wait for them.
             await put_again(_rows_of(puts, absent))
 
-    async def _exists(self, cycle: Cycle, puts: Plan, waiting: IntArray) -> np.ndarray | None:
-        """Presence of the ``waiting`` keys; if the check raises, their requests fail with it."""
-        keys = pick(cycle.keys, waiting)
-        self._stats.backend_calls[Op.EXISTS] += len(range(0, len(keys), EXISTS_PIECE_KEYS))
-        try:
-            exists = self._config.backend.batch_exists
-            answer = await self._lanes.run_pieces(Lane.CONTROL, exists, keys, EXISTS_PIECE_KEYS)
-            if len(answer) != len(keys):
-                raise ValueError(f"batch_exists answered {len(answer)} values for {len(keys)} keys")
-            return np.asarray(answer, dtype=bool)
-        except Exception as exc:
-            self._stats.backend_exceptions[Op.EXISTS] += 1
-            logger.warning("aiokv: batch_exists confirming %d written keys failed: %s", len(keys), exc)
-            error = batch_error("batch_exists", exc)
-            _set_codes(cycle, puts, waiting, Code.BACKEND_EXCEPTION)
-            for rows in _rows_of(puts, waiting):
-                for r in rows:
-                    self._tracker.fail(r.request, error)
-            return None
+    def _set_codes(self, cycle: Cycle, puts: Plan, positions: IntArray, code: Code) -> None:
+        """``code`` for the keys at ``positions``: the batch's outcome, and every request putting them."""
+        self._tracker.set_outcome(cycle, positions, code)
+        for group, selected in enumerate(_rows_of(puts, positions)):
+            for rows in selected:
+                self._tracker.set_codes(rows.request, group, rows.chunks, code)
 
 
 def _rows_of(puts: Plan, positions: IntArray) -> Plan:
@@ -117,9 +102,8 @@ def _rows_of(puts: Plan, positions: IntArray) -> Plan:
     return out
 
 
-def _set_codes(cycle: Cycle, puts: Plan, positions: IntArray, code: Code) -> None:
-    """``code`` for the keys at ``positions``: in the batch's outcomes and in every request putting them."""
-    cycle.outcome[positions] = code
-    for group, selected in enumerate(_rows_of(puts, positions)):
+def _requests_of(puts: Plan, positions: IntArray) -> Iterator[Request]:
+    """The requests putting the keys at ``positions`` (computed only when asked: a failed check)."""
+    for selected in _rows_of(puts, positions):
         for rows in selected:
-            rows.request.codes[group][rows.chunks] = code
+            yield rows.request

@@ -1,4 +1,4 @@
-"""Step 1 of a batch: chunk digests of the prompts that came as token ids, in short slices, with a
+"""Hashing: chunk digests of the prompts that came as token ids, in short slices, with a
 yield to the loop whenever the batch's time slice is used up (:class:`.slices.LoopSlice`), so the loop
 stalls neither on a long prompt nor on thousands of short ones."""
 
@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import InvalidRequestError
 from ..keys import chain_digests, digests_to_hex, token_bytes
-from .batch_keys import KeyArray
+from .batch import KeyArray
 from .request import Request
 from .slices import LoopSlice
 from .tracker import RequestTracker
@@ -49,7 +49,7 @@ def _hashing(request: Request, chunk_tokens: int, seed: bytes, tracker: RequestT
     c = chunk_tokens
     tokens = request.tokens
     # A long prompt's digests go in an object array, which the collector never tracks (see the
-    # batch_keys module); a short one's in a list, cheaper to make.
+    # batch module); a short one's in a list, cheaper to make.
     hashes: list[str] | KeyArray = (
         np.empty(request.num_chunks, dtype=object) if request.num_chunks > SHORT_PROMPT_CHUNKS else []
     )

@@ -1,16 +1,18 @@
 """One dispatcher batch, from drained requests to backend calls and back.
 
 1. hash the prompts on the loop, in short slices (:mod:`.hashing`);
-2. build keys and their positions in the batch (:mod:`.batch_keys`), and claim the store keys, so no
-   key is written twice, by two requests of this batch or by two overlapping batches (:mod:`.claims`);
-3. one ``batch_exists`` for all keys, on the control lane (a lookup batch's on the lookup lane);
+2. build keys and their positions in the batch (:mod:`.batch`), and claim the store keys, so no
+   key is written twice, by two requests of this batch or by two overlapping batches (:mod:`.batch`);
+3. one ``batch_exists`` for all keys, on the control lane (a lookup batch's on the lookup lane)
+   (:mod:`.exists`);
 4. decisions: what needs no transfer is settled, the rest planned per group (:mod:`.plan`); keys
-   whose reads failed are not skipped but removed and rewritten (:mod:`.unreadable`, :mod:`.rewrite`);
+   whose reads failed are not skipped but removed and rewritten (:mod:`.rewrite`);
 5. per group one ``regions_for_chunks`` call, then backend calls split to at most
-   ``max_regions_per_call`` regions (:mod:`.regions`, :mod:`.transfer`);
-6. per-chunk codes from each answer (:mod:`.answers`) written back into each request;
+   ``max_regions_per_call`` regions (:mod:`.call_split`, :mod:`.transfer`);
+6. per-chunk codes from each answer (:mod:`.answers`), written into each request by the tracker;
 7. the keys whose puts answered success confirmed readable, waiting for another writer's write of
-   them (:mod:`.confirm`); the tracker settles every request (:mod:`.tracker`).
+   them (:mod:`.confirm`); the tracker publishes the batch's outcomes and settles every request
+   (:mod:`.tracker`, the only writer of codes, outcomes and lifecycles).
 
 The bookkeeping is vectorised over chunks: per key only hashing, string building and one dict
 operation or two happen in Python. Every per-request or per-key loop yields to the loop within a
@@ -20,29 +22,24 @@ bounded slice (:mod:`.slices`), whether the batch holds 10,000 requests or a 62,
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence, Sized
 
 import numpy as np
 
-from .._arrays import BoolArray
-from ..codes import Code
-from ..errors import AiokvError, BackendError
-from ..stats import Kind, Op, WorkerStats
-from .answers import batch_error
-from .backoff import PressureBackoff
-from .batch_keys import Cycle, KeyArray, assign_positions
-from .claims import Claims
+from ..errors import AiokvError
+from ..stats import Kind, WorkerStats
+from .answers import PressureBackoff
+from .batch import Claims, Cycle, KeyArray, assign_positions
 from .config import EngineConfig
 from .confirm import WriteConfirmation
+from .exists import ExistenceCheck
 from .hashing import hash_now, hash_prompts
-from .lanes import EXISTS_PIECE_KEYS, Lane, Lanes
+from .lanes import Lane, Lanes
 from .plan import Plan, decide
 from .request import Request
-from .rewrite import Rewrites
-from .slices import PIECE_KEYS, LoopSlice, pieces
+from .rewrite import Rewrites, UnreadableKeys
+from .slices import LoopSlice, pieces
 from .tracker import RequestTracker
 from .transfer import GroupTransfer, all_settled
-from .unreadable import UnreadableKeys
 
 logger = logging.getLogger("aiokv")
 
@@ -64,7 +61,8 @@ class BatchPipeline:
         self._claims = Claims()
         self._backoff = PressureBackoff(config.pressure_backoff_s, stats)
         self._transfer = GroupTransfer(config, lanes, tracker, stats, self._backoff)
-        self._confirmation = WriteConfirmation(config, lanes, tracker, stats)
+        self._exists = ExistenceCheck(config, lanes, tracker, stats)
+        self._confirmation = WriteConfirmation(self._exists, lanes, tracker)
         self._unreadable = UnreadableKeys()
         self._rewrites = Rewrites(config, lanes, tracker, self._unreadable)
 
@@ -74,14 +72,20 @@ class BatchPipeline:
         try:
             live = await self._prepare_keys(batch, cycle)
             await self._claims.claim(cycle, [r for r in live if r.kind is Kind.STORE])
-            present = await self._exists(cycle, live)
+            present = await self._exists.check(cycle.keys, live)
             if present is not None:
                 live = [r for r in live if not r.finished]
                 groups = self._config.groups
                 unreadable = self._unreadable.contains if len(self._unreadable) else None
                 backing_off = self._backoff.active()
                 plan = await decide(
-                    cycle, live, present, groups, backing_off=backing_off, unreadable=unreadable
+                    cycle,
+                    live,
+                    present,
+                    groups,
+                    self._tracker,
+                    backing_off=backing_off,
+                    unreadable=unreadable,
                 )
                 plan = await self._rewrites.prepare(cycle, plan)
                 await self._move(cycle, plan)
@@ -93,6 +97,7 @@ class BatchPipeline:
             self._fail_all(batch, AiokvError(f"internal error in the dispatcher: {exc!r}"), exc)
         finally:
             await self._claims.release(cycle)
+            self._tracker.publish(cycle)
         await self._settle(batch)
 
     async def _move(self, cycle: Cycle, plan: Plan) -> None:
@@ -102,14 +107,14 @@ class BatchPipeline:
         cycle = Cycle.new()
         try:
             live = await self._prepare_keys(batch, cycle)
-            present = await self._exists(cycle, live, Lane.LOOKUP)  # never behind a batch's check
+            present = await self._exists.check(cycle.keys, live, Lane.LOOKUP)  # never behind a batch's check
             if present is None:
                 return
             clock = LoopSlice()
             for request in live:
                 await clock.tick()
                 if not request.finished:
-                    self._answer_lookup(request, present)
+                    self._tracker.answer_lookup(request, present)
         except Exception as exc:
             logger.exception("aiokv: a lookup batch failed unexpectedly")
             self._fail_all(batch, AiokvError(f"internal error in lookup: {exc!r}"), exc)
@@ -130,21 +135,13 @@ class BatchPipeline:
             n = request.num_chunks
             keys = [prefix + h for prefix in config.prefixes for h in hashes]
             request.positions = tuple(np.arange(g * n, (g + 1) * n) for g in range(config.groups))
-            self._stats.backend_calls[Op.EXISTS] += 1
-            try:
-                present = _presence(config.backend.batch_exists(keys), keys)
-            except Exception as exc:
-                self._check_failed(len(keys), exc, [request])
-                return True
-            self._answer_lookup(request, present)
+            present = self._exists.check_now(keys, [request])
+            if present is not None:
+                self._tracker.answer_lookup(request, present)
         except Exception as exc:
             logger.exception("aiokv: a lookup failed unexpectedly")
             self._fail_all([request], AiokvError(f"internal error in lookup: {exc!r}"), exc)
         return True
-
-    def _answer_lookup(self, request: Request, present: BoolArray) -> None:
-        request.codes = tuple(present[p].astype(np.int64) for p in request.positions)
-        self._tracker.settle(request)
 
     def _fail_all(self, batch: list[Request], error: AiokvError, cause: Exception) -> None:
         error.__cause__ = cause
@@ -163,48 +160,18 @@ class BatchPipeline:
                 raise AiokvError(f"request #{request.id} reached key building unhashed")
             per_group: list[KeyArray] = []
             for prefix in config.prefixes:
-                keys = np.empty(len(hashes), dtype=object)  # see the batch_keys module on the collector
+                keys = np.empty(len(hashes), dtype=object)  # see the batch module on the collector
                 for part in pieces(len(hashes)):
                     keys[part] = [prefix + h for h in hashes[part]]
                     await clock.tick()
                 per_group.append(keys)
             request.keys = tuple(per_group)
             request.hashes = None  # the keys hold what is needed from now on
-            request.codes = tuple(
-                np.full(request.num_chunks, Code.PENDING, dtype=np.int64) for _ in config.prefixes
-            )
+            self._tracker.open_codes(request, config.groups)
         positions = await assign_positions(cycle, [r.keys for r in live])
         for request, mine in zip(live, positions, strict=True):
             request.positions = tuple(mine)
         return live
-
-    async def _exists(self, cycle: Cycle, live: list[Request], lane: Lane = Lane.CONTROL) -> BoolArray | None:
-        """Presence of every key of the batch (checked on ``lane``); on failure every live request
-        fails, and None."""
-        keys = cycle.keys
-        if not len(keys):
-            return np.zeros(0, dtype=bool)
-        on_loop = lane is Lane.LOOKUP and self._config.exists_in_process
-        size = PIECE_KEYS if on_loop else EXISTS_PIECE_KEYS
-        self._stats.backend_calls[Op.EXISTS] += len(range(0, len(keys), size))
-        try:
-            check = self._config.backend.batch_exists
-            if on_loop:
-                answer = await self._lanes.run_pieces_on_loop(check, keys, size)
-            else:
-                answer = await self._lanes.run_pieces(lane, check, keys, EXISTS_PIECE_KEYS)
-            return _presence(answer, keys)
-        except Exception as exc:
-            self._check_failed(len(keys), exc, live)
-            return None
-
-    def _check_failed(self, keys: int, exc: Exception, requests: list[Request]) -> None:
-        """A ``batch_exists`` raised: every request it was for fails with it."""
-        self._stats.backend_exceptions[Op.EXISTS] += 1
-        error = batch_error("batch_exists", exc)
-        logger.warning("aiokv: batch_exists of %d keys failed: %s", keys, exc)
-        for request in requests:
-            self._tracker.fail(request, error)
 
     async def _settle(self, batch: list[Request]) -> None:
         """Resolve shared chunks from their writers' outcomes; settle every request (the tracker settles
@@ -216,12 +183,6 @@ class BatchPipeline:
                 for wait in request.waits:
                     await wait.cycle.outcomes_ready
                     outcome = await wait.cycle.outcome_of(wait.keys)
-                    request.codes[wait.group][wait.chunks] = np.where(outcome >= 0, Code.PRESENT, outcome)
+                    self._tracker.take_outcomes(request, wait.group, wait.chunks, outcome)
                 self._tracker.settle(request)
             request.drop_data()  # freed here, a slice at a time, not all at once as the batch ends
-
-
-def _presence(answer: Sequence[bool], keys: Sized) -> BoolArray:
-    if len(answer) != len(keys):
-        raise BackendError(f"batch_exists answered {len(answer)} values for {len(keys)} keys")
-    return np.asarray(answer, dtype=bool)

@@ -1,4 +1,4 @@
-"""Step 4 of a batch: decisions. Per request, settle what needs no transfer (present store keys are
+"""Decisions. Per request, settle what needs no transfer (present store keys are
 skipped, a load stops at its first hole) and collect, per group, the rows of chunks to move."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ import numpy as np
 from .._arrays import BoolArray, IntArray
 from ..codes import Code
 from ..stats import Kind, Op
-from .batch_keys import Cycle, Keys
-from .request import Request, Wait
+from .batch import Cycle, Keys, Wait
+from .request import Request
 from .slices import LoopSlice
+from .tracker import RequestTracker
 
 
 @dataclass(slots=True)
@@ -35,11 +36,13 @@ async def decide(
     live: list[Request],
     present: BoolArray,
     groups: int,
+    tracker: RequestTracker,
     *,
     backing_off: bool,
     unreadable: Unreadable | None = None,
 ) -> Plan:
-    """Write the codes of chunks that need no transfer; return per group the rows to move.
+    """Have ``tracker`` write the codes of chunks that need no transfer; return per group the rows to
+    move.
 
     ``backing_off``: the store answered "full" recently, so missing store chunks get ``NO_SPACE``
     without a call. ``unreadable``: which keys reads failed on (present or not, a store rewrites
@@ -51,10 +54,10 @@ async def decide(
     for request in live:
         if request.kind is Kind.STORE:
             _decide_store(
-                cycle, request, present, taken, plan, backing_off=backing_off, unreadable=unreadable
+                cycle, request, present, taken, plan, tracker, backing_off=backing_off, unreadable=unreadable
             )
         else:
-            _decide_load(request, present, plan)
+            _decide_load(request, present, plan, tracker)
         await clock.tick()
     return plan
 
@@ -65,24 +68,22 @@ def _decide_store(
     present: BoolArray,
     taken: IntArray,
     plan: Plan,
+    tracker: RequestTracker,
     *,
     backing_off: bool,
     unreadable: Unreadable | None,
 ) -> None:
     for group, positions in enumerate(request.positions):
-        codes = request.codes[group]
         own = cycle.owned[positions]
         if not own.any():
             continue
         found = own & present[positions]
         if unreadable is not None and found.any():
             found &= ~unreadable(request.keys[group])  # present, but reads failed: not a skip
-        codes[found] = Code.PRESENT
-        cycle.outcome[positions[found]] = Code.PRESENT
+        tracker.set_store_codes(cycle, request, group, found, positions[found], Code.PRESENT)
         missing = own & ~found
         if backing_off:
-            codes[missing] = Code.NO_SPACE
-            cycle.outcome[positions[missing]] = Code.NO_SPACE
+            tracker.set_store_codes(cycle, request, group, missing, positions[missing], Code.NO_SPACE)
             continue
         first = missing & ~taken[positions]
         duplicate = missing & ~first
@@ -95,12 +96,13 @@ def _decide_store(
             plan[group].append(Rows(request, Op.PUT, chunks, positions[chunks]))
 
 
-def _decide_load(request: Request, present: BoolArray, plan: Plan) -> None:
+def _decide_load(request: Request, present: BoolArray, plan: Plan, tracker: RequestTracker) -> None:
     found = np.stack([present[positions] for positions in request.positions])
     holes = np.flatnonzero(~found.all(axis=0))
     prefix = int(holes[0]) if holes.size else request.num_chunks
-    for group, codes in enumerate(request.codes):
-        codes[prefix:] = np.where(found[group, prefix:], Code.NOT_ATTEMPTED, Code.NOT_FOUND)
+    for group in range(len(request.codes)):
+        tail = np.where(found[group, prefix:], Code.NOT_ATTEMPTED, Code.NOT_FOUND)
+        tracker.set_codes(request, group, slice(prefix, None), tail)
         if prefix:
             chunks = np.arange(prefix, dtype=np.int64)
             plan[group].append(Rows(request, Op.GET, chunks, request.positions[group][:prefix]))

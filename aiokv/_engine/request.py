@@ -25,23 +25,13 @@ from .._arrays import IntArray
 from ..futures import TransferFuture
 from ..keys import TokenIds
 from ..stats import Kind
-from .batch_keys import Cycle, KeyArray, Keys
+from .batch import KeyArray, Keys, Wait
 
 
 class State(enum.Enum):
     QUEUED = "queued"  # no backend call runs on its memory: queued, preparing, or calls waiting for a thread
     TRANSFERRING = "transferring"  # a backend call started on its memory has not returned yet
     DONE = "done"  # its future is settled
-
-
-@dataclass(slots=True)
-class Wait:
-    """Chunks of a store whose outcome another request of ``cycle`` decides (it writes them)."""
-
-    cycle: Cycle
-    group: int
-    chunks: IntArray
-    keys: KeyArray
 
 
 class Canceller(Protocol):

@@ -1,6 +1,10 @@
-"""``RequestTracker``: the one owner of every request's lifecycle.
+"""``RequestTracker``: the one owner of every request's lifecycle and of its result data.
 
-Invariants (stated here once; nothing else writes these fields or settles a future):
+Result data: a request's per-chunk codes (``Request.codes``) and a batch's outcome for each store key
+(``Cycle.outcome``, which requests of other batches take) are written only through the methods under
+"result data" below; the other modules decide the codes and hand them here.
+
+Invariants of the lifecycle (stated here once; nothing else writes these fields or settles a future):
 
 1. A request is TRANSFERRING exactly while one of its backend calls runs (``running_calls > 0``):
    :meth:`RequestTracker.begin_call`, asked when a transfer thread is free to start a call, counts
@@ -36,9 +40,11 @@ from typing import Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 
+from .._arrays import BoolArray, IntArray
 from ..codes import Code
 from ..errors import TransferTimeoutError, _CircuitOpenError
 from ..stats import Kind, WorkerStats
+from .batch import Cycle
 from .request import Request, State
 from .summary import load_result, lookup_length, store_result
 
@@ -47,6 +53,8 @@ R = TypeVar("R")
 
 
 Method = Callable[Concatenate["RequestTracker", P], R]
+Chunks = IntArray | BoolArray | slice  # which chunks of a group, or positions of a batch, to write
+Codes = IntArray | int
 
 
 def _locked(method: Method[P, R]) -> Method[P, R]:
@@ -196,6 +204,49 @@ class RequestTracker:
         else:
             request.codes = tuple(np.full(request.num_chunks, int(Code.UNAVAILABLE)) for _ in request.blocks)
         request.refused = False
+        self.settle(request)
+
+    # -- result data: per-chunk codes and a batch's outcomes, written here only ----------------------
+
+    def open_codes(self, request: Request, groups: int) -> None:
+        """Give ``request`` its per-group codes, every chunk PENDING (as its keys are built)."""
+        request.codes = tuple(
+            np.full(request.num_chunks, Code.PENDING, dtype=np.int64) for _ in range(groups)
+        )
+
+    def set_codes(self, request: Request, group: int, chunks: Chunks, codes: Codes) -> None:
+        request.codes[group][chunks] = codes
+
+    def set_outcome(self, cycle: Cycle, positions: Chunks, codes: Codes) -> None:
+        """The outcome of the batch's store keys at ``positions`` (what requests waiting on them take)."""
+        cycle.outcome[positions] = codes
+
+    def set_store_codes(
+        self, cycle: Cycle, request: Request, group: int, chunks: Chunks, positions: Chunks, codes: Codes
+    ) -> None:
+        """Codes of store chunks ``request`` decides for the batch: its own, and the batch's outcome of
+        their keys."""
+        request.codes[group][chunks] = codes
+        cycle.outcome[positions] = codes
+
+    def take_outcomes(self, request: Request, group: int, chunks: IntArray, outcome: IntArray) -> None:
+        """Chunks another request wrote: present if that write succeeded, else its failure."""
+        request.codes[group][chunks] = np.where(outcome >= 0, Code.PRESENT, outcome)
+
+    def publish(self, cycle: Cycle) -> None:
+        """Mark every outcome of ``cycle`` final: a claimed key nobody wrote went away with its writer."""
+        cycle.outcome[cycle.owned & (cycle.outcome == Code.PENDING)] = Code.WRITER_CANCELLED
+        if not cycle.outcomes_ready.done():
+            cycle.outcomes_ready.set_result(None)
+
+    def answer_lookup(self, request: Request, present: BoolArray) -> None:
+        """A lookup's codes from the presence of the batch's keys; then its answer."""
+        request.codes = tuple(present[p].astype(np.int64) for p in request.positions)
+        self.settle(request)
+
+    def finish_empty(self, request: Request, groups: int) -> None:
+        """A store or load of no whole chunk, answered without a batch."""
+        self.open_codes(request, groups)  # no chunk
         self.settle(request)
 
     # -- asked by the user and the worker -------------------------------------------------------

@@ -1,11 +1,17 @@
-"""Steps 5 and 6 of a batch for one KV-cache group: the group's regions (one ``regions_for_chunks``
-call), the go-ahead from the tracker for each request, the backend calls, and each answer's codes
-written back into the requests and the batch's shared outcomes."""
+"""The transfer of one KV-cache group: the group's regions (one ``regions_for_chunks`` call), the
+tracker's go-ahead for each request, the backend calls (split by :mod:`.call_split`), and each answer's
+codes (:mod:`.answers`), which the tracker writes into the requests and the batch's shared outcomes.
+
+Admission: a call goes only when a transfer thread is free for it, and only for the requests still
+going then (the tracker's per-call go-ahead for each request the call carries); rows of requests
+cancelled, timed out or finished while the call waited are dropped, so their memory is never touched,
+and a call left with no row is not made at all."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -15,10 +21,8 @@ from ..codes import Code
 from ..errors import AiokvError, WorkerClosedError
 from ..layout import RegionBatch
 from ..stats import Op, WorkerStats
-from .admission import Admission, admit
-from .answers import answer_codes, batch_error
-from .backoff import PressureBackoff
-from .batch_keys import Cycle
+from .answers import PressureBackoff, answer_codes, batch_error
+from .batch import Cycle
 from .call_split import Call, GroupRows, split_calls
 from .config import EngineConfig
 from .lanes import Admitted, Lane, Lanes
@@ -29,6 +33,35 @@ from .slices import LoopSlice
 from .tracker import RequestTracker
 
 _NO_ROWS: IntArray = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(slots=True)
+class Admission:
+    """A call as it starts: the call cut to the rows that go (None: no row goes), the requests
+    :meth:`RequestTracker.begin_call` counted in (to count out when it returns), and the rows dropped
+    (indices into the group's rows)."""
+
+    call: Call | None
+    requests: list[Request]
+    dropped_rows: IntArray
+
+
+def admit(call: Call, rows: GroupRows, tracker: RequestTracker) -> Admission:
+    """Ask the tracker about every request of ``call`` (each once) and cut the call to those going."""
+    plan_of_row = rows.plan_of_row[call.rows]
+    plan_indices = np.unique(plan_of_row)
+    requests = [rows.plan[j].request for j in plan_indices.tolist()]
+    going = np.array(tracker.begin_call(requests), dtype=bool)
+    if going.all():  # the usual case: nothing to cut
+        return Admission(call, requests, np.zeros(0, dtype=np.int64))
+    admitted = [r for r, ok in zip(requests, going.tolist(), strict=True) if ok]
+    keep = np.isin(plan_of_row, plan_indices[going])
+    dropped = call.rows[~keep]
+    if not admitted:
+        return Admission(None, [], dropped)
+    index = np.flatnonzero(keep)
+    cut = Call(call.op, call.rows[index], call.keys[index], call.addrs[index], call.sizes[index])
+    return Admission(cut, admitted, dropped)
 
 
 class GroupTransfer:
@@ -68,9 +101,10 @@ class GroupTransfer:
             await clock.tick()
             if alive[j]:
                 codes = row_codes[offsets[j] : offsets[j + 1]]
-                r.request.codes[group][r.chunks] = codes
                 if r.op is Op.PUT:
-                    cycle.outcome[r.positions] = codes
+                    self._tracker.set_store_codes(cycle, r.request, group, r.chunks, r.positions, codes)
+                else:
+                    self._tracker.set_codes(r.request, group, r.chunks, codes)
         for failed_rows, error in row_errors:
             for j in np.unique(rows.plan_of_row[failed_rows]).tolist():
                 await clock.tick()
@@ -102,13 +136,13 @@ class GroupTransfer:
     async def _begin(self, cycle: Cycle, plan: list[Rows]) -> BoolArray:
         """Per plan entry, whether its request may still be transferred. Requests cancelled while the
         regions were computed get no call (the chunks they were to write for others fail
-        ``WRITER_CANCELLED``); each call asks again when a thread is free for it (:mod:`.admission`)."""
+        ``WRITER_CANCELLED``); each call asks again when a thread is free for it (:func:`admit`)."""
         clock = LoopSlice()
         alive = np.empty(len(plan), dtype=bool)
         for j, r in enumerate(plan):
             ok = alive[j] = self._tracker.plan_transfer(r.request)
             if not ok and r.op is Op.PUT:
-                cycle.outcome[r.positions] = Code.WRITER_CANCELLED
+                self._tracker.set_outcome(cycle, r.positions, Code.WRITER_CANCELLED)
             await clock.tick()
         return alive
 

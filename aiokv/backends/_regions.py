@@ -5,6 +5,7 @@ memory before a native library (which would crash the process on a wrong pointer
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from collections.abc import Sequence
 
@@ -132,6 +133,18 @@ class RegisteredMemory:
         with self._lock:
             starts, ends = self._table
             return [(s, e - s) for s, e in zip(starts.tolist(), ends.tolist(), strict=True)]
+
+    def address_space(self) -> tuple[int, ctypes.Array[ctypes.c_uint8]] | None:
+        """One ctypes array from the first registered address to the last registered end, or None.
+
+        Only regions proven inside a registered buffer may be touched through it; the gaps between
+        buffers never are (an array over an address maps and reads nothing by itself)."""
+        spans = self.spans()
+        if not spans:
+            return None
+        base = spans[0][0]
+        end = max(addr + size for addr, size in spans)
+        return base, (ctypes.c_uint8 * (end - base)).from_address(base)
 
     def locate(self, addrs: IntArray, sizes: IntArray) -> tuple[IntArray, np.ndarray]:
         """Per region: the start address of the registered buffer holding it, and whether the region

@@ -13,7 +13,6 @@ mostly page faults.
 from __future__ import annotations
 
 import bisect
-import ctypes
 import itertools
 import logging
 import threading
@@ -295,19 +294,9 @@ class MemoryBackend(ClosingContext):
     # -- internals ------------------------------------------------------------------------------
 
     def _map_space(self) -> None:
-        """One view from the first registered address to the last registered end.
-
-        Only offsets proven inside a registered buffer are ever read or written through it; the gaps
-        between buffers are never touched (a view is only an address, nothing is mapped or read).
-        """
-        spans = self._memory.spans()
-        if not spans:
-            self._space = None
-            return
-        base = spans[0][0]
-        end = max(addr + size for addr, size in spans)
-        view = (ctypes.c_uint8 * (end - base)).from_address(base)
-        self._space = (base, np.ctypeslib.as_array(view))
+        """One NumPy view over all registered memory (see ``RegisteredMemory.address_space``)."""
+        space = self._memory.address_space()
+        self._space = None if space is None else (space[0], np.ctypeslib.as_array(space[1]))
 
     def _mapped(self) -> tuple[int, Bytes]:
         space = self._space

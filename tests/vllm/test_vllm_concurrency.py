@@ -93,24 +93,21 @@ def tolerance(reference: dict[str, Any], theirs: dict[str, Any]) -> float:
 def store_then_load(
     world: dict[str, Any], name: str, kv: dict[str, Any], env: dict[str, str]
 ) -> dict[str, Any]:
-    storer = run_engine(
-        world["root"],
-        f"{name}_stores",
-        model=world["model"],
-        engine=ENGINE,
-        env=env,
-        kv_transfer_config=kv,
-        steps=[generate("twelve", TWELVE, max_tokens=MAX_TOKENS), {"op": "sleep", "seconds": 4}],
+    def engine(role: str, steps: list[dict[str, Any]]) -> dict[str, Any]:
+        return run_engine(
+            world["root"],
+            f"{name}_{role}",
+            model=world["model"],
+            engine=ENGINE,
+            env=env,
+            kv_transfer_config=kv,
+            steps=steps,
+        )
+
+    storer = engine(
+        "stores", [generate("twelve", TWELVE, max_tokens=MAX_TOKENS), {"op": "sleep", "seconds": 4}]
     )
-    loader = run_engine(
-        world["root"],
-        f"{name}_loads",
-        model=world["model"],
-        engine=ENGINE,
-        env=env,
-        kv_transfer_config=kv,
-        steps=LOADER_STEPS,
-    )
+    loader = engine("loads", LOADER_STEPS)
     return {"storer": storer, "loader": loader}
 
 

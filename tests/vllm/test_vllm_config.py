@@ -43,6 +43,14 @@ def test_defaults_and_every_key_checked() -> None:
         ConnectorConfig.from_extra_config({"idle_wait_s": -1})
     # Keys of vLLM's own connector are accepted (ignored) so its config can be reused.
     assert ConnectorConfig.from_extra_config({"lookup_async": True}).backend == "mooncake"
+    # Values are verified by default with aiokv's keys, never with vLLM's (byte-identical values).
+    assert config.verify_values is True
+    assert ConnectorConfig.from_extra_config({"verify_values": False}).verify_values is False
+    assert ConnectorConfig.from_extra_config({"key_format": "vllm"}).verify_values is False
+    with pytest.raises(ValueError, match="verify_values must be false"):
+        ConnectorConfig.from_extra_config({"key_format": "vllm", "verify_values": True})
+    with pytest.raises(ValueError, match="'verify_values'"):
+        ConnectorConfig.from_extra_config({"verify_values": "sometimes"})
 
 
 def test_mooncake_json_as_vllm_users_write_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -236,6 +244,8 @@ def test_stats_through_vllms_hooks() -> None:
     )
     prom.observe(stats.data, engine_idx=0)
     assert registry.get_sample_value("vllm:aiokv_chunks_loaded_total", {"engine": "0"}) == 4
+    prom.observe({"chunks_verify_failed": 2}, engine_idx=0)
+    assert registry.get_sample_value("vllm:aiokv_chunks_verify_failed_total", {"engine": "0"}) == 2
 
 
 def test_aiokv_records_go_through_vllms_handlers_only_when_nothing_else_is_configured(

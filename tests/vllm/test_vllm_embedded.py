@@ -140,4 +140,4 @@ def test_asynchronous_load_hits_the_whole_prompt(async_run: dict[str, Any]) -> N
     assert_same_greedy(reloaded, computed, greedy_tolerance([(warm, computed)]), "whole-prompt hit")
     stats = async_run["stats"]
     assert stats["events"]["loads_submitted"] == 1 and stats["events"].get("load_error_blocks", 0) == 0
-    assert stats["chunks"]["loaded"] == 4
+    assert stats["chunks"]["loaded"] == 16  # every block, one key each (chunk_blocks 1)

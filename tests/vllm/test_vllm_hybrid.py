@@ -9,7 +9,8 @@ private network namespace.
 - B loads: greedy tokens equal to the run without a connector, logprobs within the tolerance a
   control gives (vLLM's own prefix cache reusing the same blocks vs. a whole prefill); the sliding
   window group reads only the blocks its window needs, the full-attention group every block.
-- D loads a prompt whose full-attention values are another prompt's: its tokens change.
+- D loads a prompt whose full-attention values are another prompt's: verification refuses them, the
+  request is recomputed and its tokens are right.
 - E loads that prompt with every get of the sliding-window group failing: the whole hit is recomputed
   in every group, so the wrong full-attention values it did load are never used, and outputs are right.
 - F, the same model with the hybrid allocator off (one full-attention group), finds none of A's keys.
@@ -180,18 +181,23 @@ def test_each_group_stores_its_own_keys_and_the_window_loads_only_what_it_needs(
     assert set(loaded_window) <= stored_window and set(loaded_full) <= stored_full
 
 
-def test_other_prompts_values_change_the_outputs(runs: dict[str, Any]) -> None:
-    """Negative control: PROMPT_C's full-attention keys hold one of PROMPT's blocks; D loads them and
-    its tokens differ, so the comparisons here would catch wrong KV."""
-    got = only(runs["D"], "c")
-    assert got["cached"] == HIT_C
-    assert set(keys_of(runs["D"], "get", FULL_KEYS)) == set(runs["c_full_keys"])
-    assert got["tokens"] != only(runs["ref"], "cold_c")["tokens"]
+def test_other_prompts_values_are_refused_and_recomputed(runs: dict[str, Any]) -> None:
+    """PROMPT_C's full-attention keys hold one of PROMPT's blocks (a well-formed value under the wrong
+    key): D finds them, refuses each on load (the value names another key; each group's values are
+    verified under its own fingerprint), recomputes the request in every group, and its tokens are the
+    reference's. The negative control without verification (wrong KV changes the tokens) is
+    tests/vllm/test_vllm_verify.py's."""
+    run = runs["D"]
+    assert set(keys_of(run, "get", FULL_KEYS)) == set(runs["c_full_keys"])
+    assert "failed verification (identity" in run["log"]
+    assert run["stats"]["events"]["load_error_requests"] == 1
+    assert only(run, "c")["tokens"] == only(runs["ref"], "cold_c")["tokens"]
 
 
 def test_a_failure_in_one_group_recomputes_the_range_in_every_group(runs: dict[str, Any]) -> None:
-    """E's sliding-window gets all fail; its full-attention gets succeed, loading the wrong values D
-    used. The whole hit counts failed in every group: vLLM recomputes it, and outputs are right."""
+    """E's sliding-window gets all fail; its full-attention gets succeed (D stored those chunks again
+    after refusing the planted values). The whole hit counts failed in every group: vLLM recomputes
+    it, and outputs are right."""
     run = runs["E"]
     assert set(keys_of(run, "get", FULL_KEYS)) == set(runs["c_full_keys"])  # loaded, then not used
     assert not keys_of(run, "get", SWA_KEYS)  # every one failed (the wrapper logs served gets only)

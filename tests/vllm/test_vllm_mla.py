@@ -169,7 +169,9 @@ def test_tp2_engine_reads_the_shared_key_on_every_rank(runs: dict[str, Any]) -> 
     assert len(prompt_keys) == HIT // MLA_BLOCK
     for rank in (0, 1):
         assert set(keys_of(runs["D"], "get", tp_rank=rank)) >= prompt_keys, rank
-    assert not keys_of(runs["D"], "put")  # every full block was loaded: nothing new to store
+    # Every full block was loaded: nothing of PROMPT's to store (D rewrites only the planted keys of
+    # PROMPT_C it refused, see test_wrong_latent_is_refused_and_recomputed).
+    assert not set(keys_of(runs["D"], "put")) & prompt_keys
 
 
 def test_tp1_engine_loads_what_a_tp2_engine_stored(runs: dict[str, Any]) -> None:
@@ -183,9 +185,17 @@ def test_tp1_engine_loads_what_a_tp2_engine_stored(runs: dict[str, Any]) -> None
     assert got["tokens"] == cold["tokens"]
 
 
-def test_wrong_latent_changes_the_tokens(runs: dict[str, Any]) -> None:
-    """Negative control: PROMPT_C's keys hold one of PROMPT's blocks; D loads them and its tokens
-    differ, so the comparisons above would catch wrong KV."""
+def test_wrong_latent_is_refused_and_recomputed(runs: dict[str, Any]) -> None:
+    """PROMPT_C's keys hold one of PROMPT's blocks (a well-formed value under the wrong key, as a
+    store's repeated-key get bug gives): D finds them, but its ranks refuse each on load (the value
+    names another key), recompute, and its tokens are the reference's. Without verification D loaded
+    that latent and its tokens differed; that negative control is now tests/vllm/test_vllm_verify.py's
+    (verification off), which also shows the comparisons catch wrong KV."""
     got = only(runs["D"], "c")
-    assert got["cached"] == HIT_C
-    assert got["tokens"] != only(runs["ref_tp1"], "c")["tokens"]
+    assert got["tokens"] == only(runs["ref_tp1"], "c")["tokens"]
+    assert "failed verification (identity" in runs["D"]["log"]
+    # The refused values were dropped, so D stored PROMPT_C's chunks again: exactly the planted keys.
+    prompt_keys = set(keys_of(runs["B"], "get"))
+    planted = {key for key in keys_of(runs["A"], "put") if key not in prompt_keys}
+    assert len(planted) == HIT_C // MLA_BLOCK
+    assert set(keys_of(runs["D"], "put")) == planted

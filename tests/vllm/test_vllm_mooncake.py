@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from aiokv import Code
 from aiokv.testing.tiny_model import write_tiny_llama
 from tests.vllm.support import (
     BLOCK,
@@ -37,7 +38,7 @@ PREEMPT = [tokens(10 + i, 1150) for i in range(4)]  # 9 blocks, 2 tokens short o
 INTEROP_D = tokens(30, 1300)
 INTEROP_E = tokens(31, 1300)
 SLOW_PUTS = "tests.vllm.support:slow_put_mooncake"
-MODEL_NAME = "tiny-llama"  # both weight sets store under one name: the control's keys collide on purpose
+MODEL_NAME = "tiny-llama"  # both weight sets store under one name: their keys collide on purpose
 # The prompts the reference runs both warm and cold.
 WARM_AND_COLD = [("a", PROMPT_A), *((f"p{i}", p) for i, p in enumerate(PREEMPT)), ("d", INTEROP_D)]
 WARM_AND_COLD += [("e", INTEROP_E)]
@@ -177,16 +178,18 @@ def test_shared_prefix_hits_and_matches(
     assert_matches(got, reference, "b", PROMPT_B, tolerance)
 
 
-def test_wrong_stored_values_change_outputs(
+def test_other_weights_under_the_same_keys_are_refused_chunk_by_chunk(
     loaded: dict[str, Any], reference: dict[str, Any], tolerance: float
 ) -> None:
-    """Negative control: C's stored KV came from other weights; B loads it and its outputs differ,
-    so the comparisons above (with the same tolerance) would catch wrong KV."""
+    """C's stored KV came from other weights under the same key names (same ``model_name``): B finds
+    its 8 chunks, refuses every one on load (the values' fingerprint names another model), recomputes
+    them, and its outputs are the cold run's. Without verification B loaded that KV and its outputs
+    differed (the negative control is now tests/vllm/test_vllm_verify.py's, with verification off)."""
     got = only(loaded["B"], "c")
-    assert got["cached"] == 8 * BLOCK
-    want = reference[("cold", tuple(PROMPT_C))]
-    with pytest.raises(AssertionError, match="greedy tokens differ"):
-        assert_same_greedy(got, want, tolerance, "C loaded with other weights' KV")
+    assert_same_greedy(got, reference[("cold", tuple(PROMPT_C))], tolerance, "C, refused and recomputed")
+    stats = loaded["B"]["stats"]
+    assert stats["verification"]["fingerprint"] == 8, stats["verification"]
+    assert stats["backend_errors"] == {str(int(Code.VERIFY_FAILED)): 8}, stats["backend_errors"]
 
 
 def test_preemption_with_stores_in_flight_stores_right_bytes(

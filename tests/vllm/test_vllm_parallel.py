@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from aiokv.backends.value_header import HEADER_BYTES
 from aiokv.testing.tiny_model import write_tiny_llama
 from tests.vllm.support import (
     BLOCK,
@@ -153,7 +154,12 @@ def test_each_tp_rank_stores_and_loads_its_own_shard(runs: dict[str, Any], moonc
     for key in puts[0][:1]:
         other = key.replace(".tp0.", ".tp1.")
         size = sizes.get(key) or sizes[other]
-        assert read_value(mooncake_backend, key, size) != read_value(mooncake_backend, other, size)
+        # Compared without the verification header (which names the key, so always differs).
+        payload = size - HEADER_BYTES
+        assert (
+            read_value(mooncake_backend, key, size)[:payload]
+            != read_value(mooncake_backend, other, size)[:payload]
+        )
     # B's rank r read exactly rank r's keys.
     gets = keys_by_rank(runs["B_keys"], "get")
     assert {rank: sorted(set(keys)) for rank, keys in gets.items()} == {
@@ -202,9 +208,10 @@ def test_each_pp_stage_stores_and_loads_its_own_layers(
     assert all(re.search(r"@tp1pp2/.*\.tp0\.pp0/", key) for key in puts[0]), puts[0]
     assert all(re.search(r"@tp1pp2/.*\.tp0\.pp1/", key) for key in puts[1]), puts[1]
     assert mooncake_backend.batch_exists(puts[0] + puts[1]) == [True] * (2 * CHUNKS)
-    # One of the model's two layers per stage: a chunk is 4 blocks of one layer.
+    # One of the model's two layers per stage: a chunk is 4 blocks of one layer (and its verification
+    # header: the recording wrapper is the store below it).
     sizes = {entry["sizes"][0] for entry in pp_runs["pp_A_keys"] if entry["op"] == "put"}
-    assert sizes == {4 * 64 * 1024}, sizes
+    assert sizes == {4 * 64 * 1024 + HEADER_BYTES}, sizes
     gets = keys_by_rank(pp_runs["pp_B_keys"], "get", rank="pp_rank")
     assert {rank: sorted(set(keys)) for rank, keys in gets.items()} == {
         rank: sorted(set(keys)) for rank, keys in puts.items()

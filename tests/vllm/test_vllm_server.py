@@ -17,9 +17,11 @@ Mooncake store whose segment a holder process owns, so the KV outlives the serve
   Q's first 1,536) in 20 rounds of real concurrent HTTP requests, each round's greedy tokens equal to
   the reference's.
 
-The embedded tier (``backend "memory"``) at TP 1 and TP 2 and the tiered setup (a host-memory tier in
-front of Mooncake) belong here too, as servers started with :func:`aiokv_connector`'s other backends:
-they come with that work (issue 23, items 3 and 4). Run inside a private network namespace.
+- The embedded tier (``backend "memory"``, no store to run) at TP 1 and TP 2, and the tiered setup (the
+  tier in front of Mooncake: one server stores and hits its tier, a fresh one hits Mooncake, promotes,
+  then hits its tier), the scenario in rounds with every full block hit and the reference's outputs.
+
+Run inside a private network namespace.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from aiokv.testing.vllm_server import Completion, running_server
 from tests.vllm.support import (
     BLOCK,
     MOONCAKE_ENV,
+    PARALLEL_ENV,
     ROOT,
     assert_same_greedy,
     connector,
@@ -276,6 +279,55 @@ def test_concurrent_scenario_matches_the_reference_in_every_round(
     assert all(hit >= 1024 for round_hits in hits for hit in round_hits), hits
 
 
-# The embedded tier (backend "memory") at TP 1 and TP 2 and the tiered setup under `vllm serve` go
-# here, with that work (issue 23, items 3 and 4): a `serve(world, ..., aiokv_connector(world,
-# backend=...))` server and the same scenario and reference.
+TP2_ARGS = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
+# One allowed core per rank's threads (vLLM's CPU worker refuses to bind two workers otherwise).
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": PARALLEL_ENV["VLLM_CPU_OMP_THREADS_BIND"]}
+HOST_TIER_ROUNDS = 3
+TIER_SETTLE_S = 120  # until every rank reported its writes to the scheduler: bounded, not a speed figure
+
+
+def hits_from_the_tier(server: Any, reference: dict[str, Any], tolerance: float) -> list[list[int]]:
+    """The scenario once to store it, then (once the tier reports every full block of P and Q, one
+    request at a time) ``HOST_TIER_ROUNDS`` concurrent rounds: every request hits every full block it
+    has stored (no prefix caching: the hits are the tier's) with the reference's outputs."""
+    server.complete_all(SCENARIO)
+    wait_until(
+        lambda: all(server.complete(prompt).cached == expected_hit(prompt) for prompt in (P, Q)),
+        TIER_SETTLE_S,
+        "P and Q whole in the host tier",
+    )
+    hits = []
+    for round_index in range(HOST_TIER_ROUNDS):
+        got = outputs(server.complete_all(SCENARIO))
+        hits.append([output["cached"] for output in got])
+        assert not scenario_mismatches(got, reference, tolerance), (round_index, hits)
+        assert [output["cached"] for output in got] == [expected_hit(p) for p in SCENARIO], hits
+    return hits
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_embedded_tier_serves_hits_under_the_openai_server(
+    world: dict[str, Any], reference: dict[str, Any], tolerance: float, tp: int
+) -> None:
+    """``backend "memory"`` under vLLM's default multiprocess engine (the scheduler and the model in
+    different processes even at TP 1), at TP 1 and TP 2: no store to run, hits from the tier."""
+    kv = connector({"backend": "memory", "memory_capacity": "256MiB"})
+    args, env = (TP2_ARGS, TP2_ENV) if tp == 2 else ((), {})
+    with serve(world, f"embedded_tp{tp}", kv, *args, **env) as server:
+        hits_from_the_tier(server, reference, tolerance)
+
+
+def test_tiered_setup_under_the_openai_server(
+    world: dict[str, Any], reference: dict[str, Any], tolerance: float
+) -> None:
+    """``backend "tiered"``: server T1 stores to its tier and Mooncake and hits from its tier; a fresh
+    server T2 (empty tier) hits Mooncake first, promotes, then hits its tier, outputs right throughout."""
+    kv = aiokv_connector(world, backend="tiered", memory_capacity="256MiB", cache_prefix="tiered")
+    with serve(world, "tiered_1", kv) as server:
+        hits_from_the_tier(server, reference, tolerance)
+    with serve(world, "tiered_2", kv) as server:
+        for prompt in (P, Q):  # from Mooncake: the new server's tier is empty
+            got = server.complete(prompt).as_output()
+            assert got["cached"] == expected_hit(prompt)
+            assert_same_greedy(got, reference["solo"][tuple(prompt)], tolerance, "tiered, from Mooncake")
+        hits_from_the_tier(server, reference, tolerance)

@@ -89,6 +89,7 @@ class ConnectorConfig:
     store_timeout_s: float = 60.0
     setup_retries: int = 2
     executor_threads: int = 1
+    verify_values: bool = True
 
     @property
     def host_tier(self) -> bool:
@@ -131,6 +132,11 @@ class ConnectorConfig:
                 "key_format 'vllm' stores one key per block (as vLLM's MooncakeStoreConnector does): "
                 f"chunk_blocks must be 1, got {chunk_blocks}"
             )
+        if key_format == "vllm" and _bool(extra, "verify_values", False):
+            raise ValueError(
+                "key_format 'vllm' stores values byte-identical to vLLM's MooncakeStoreConnector, which "
+                "carry no checksum: verify_values must be false (or unset) with it"
+            )
         mooncake = extra.get("mooncake_config")
         if mooncake is not None and not isinstance(mooncake, (str, Mapping)):
             raise ValueError(
@@ -168,6 +174,7 @@ class ConnectorConfig:
             store_timeout_s=float(_positive(extra, "store_timeout_s", 60.0)),
             setup_retries=_positive(extra, "setup_retries", 2, integer=True),
             executor_threads=_positive(extra, "executor_threads", 1, integer=True),
+            verify_values=key_format == "aiokv" and _bool(extra, "verify_values", True),
         )
 
 

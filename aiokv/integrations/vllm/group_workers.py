@@ -4,13 +4,15 @@ vLLM's hybrid allocator lays the groups' layers over shared tensors (one pool of
 group), so the groups' layouts cover the same memory. Each group gets its own worker (a sliding-window
 group moves fewer chunks than a full-attention one), and the store sees one registration of their
 union: the workers' own register and unregister calls reach no further than :class:`Preregistered`.
+A group's backend may be wrapped (``wrap``: a verifying wrapper with that group's fingerprint); memory
+the wrapper registers of its own (its header arena) passes through to the store.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..._registration import merged_spans
@@ -24,18 +26,28 @@ logger = logging.getLogger("aiokv.vllm")
 
 
 class Preregistered:
-    """``backend`` whose memory registration is done: a worker's calls are checked, not repeated."""
+    """``backend`` whose KV cache registration is done: a worker's registrations inside it are checked,
+    not repeated; memory outside it (a wrapper's own buffers) is registered with the store as usual."""
 
     def __init__(self, backend: Any, spans: Sequence[tuple[int, int]]) -> None:
         self.inner = backend
         self._spans = list(spans)
+        self._passed: set[int] = set()  # registrations outside the KV cache, passed through
 
     def register_buffer(self, addr: int, size: int) -> None:
-        if not any(start <= addr and addr + size <= start + length for start, length in self._spans):
-            raise ValueError(f"[{addr:#x}, +{size}) lies outside the memory registered for the KV cache")
+        if any(start <= addr and addr + size <= start + length for start, length in self._spans):
+            return
+        if any(addr < start + length and start < addr + size for start, length in self._spans):
+            raise ValueError(f"[{addr:#x}, +{size}) overlaps the KV cache's registration without lying in it")
+        self.inner.register_buffer(addr, size)
+        self._passed.add(addr)
 
     def unregister_buffer(self, addr: int) -> None:
-        return  # released once, by GroupWorkers.close
+        if addr in self._passed:  # the KV cache itself is released once, by GroupWorkers.close
+            self._passed.discard(addr)
+            unregister = getattr(self.inner, "unregister_buffer", None)
+            if unregister is not None:
+                unregister(addr)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -53,6 +65,7 @@ class GroupWorkers:
         chunk_tokens: int,
         executor_threads: int,
         lease_budgets: Sequence[LeaseBudget] | None = None,
+        wrap: Callable[[int, Any], Any] | None = None,
     ) -> None:
         self._backend = backend
         self._spans = merged_spans(layouts)
@@ -65,11 +78,13 @@ class GroupWorkers:
             shared = Preregistered(backend, self._spans)
             # Each group's lease budget if given (the scheduler's lookup clients), else aiokv's default.
             budgets = list(lease_budgets) if lease_budgets is not None else [LeaseBudget()] * len(layouts)
-            for layout, namespace, budget in zip(layouts, namespaces, budgets, strict=True):
+            for group, (layout, namespace, budget) in enumerate(
+                zip(layouts, namespaces, budgets, strict=True)
+            ):
                 self.workers.append(
                     ThreadedKVWorker(
                         layout,
-                        shared,
+                        wrap(group, Preregistered(backend, self._spans)) if wrap is not None else shared,
                         namespace=namespace,
                         chunk_tokens=chunk_tokens,
                         executor_threads=executor_threads,

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...keys import HashedPrompt, KeyNamespace
+from ...layout import KVLayout
 from .amx import amx_tiles_supported
 from .config import ConnectorConfig
-from .geometry import EngineGeometry
+from .geometry import EngineGeometry, KVGeometry
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,29 @@ def key_namespace(
         pp_rank=pp_rank,
         share_across_tp=geometry.is_mla,
     )
+
+
+def value_fingerprint(
+    vllm_config: Any, namespace: KeyNamespace, geometry: KVGeometry, layout: KVLayout
+) -> bytes:
+    """What the bytes of this engine's values mean, for :class:`aiokv.VerifiedBackend`: a value written
+    under another fingerprint is refused on load. The model as vLLM names it (path or hub id, and
+    revision: other weights under the same ``model_name`` give other KV), the namespace (ISA tag, TP
+    and PP sizes), dtype, block geometry, attention kind and the layout (blocks outermost, region
+    sizes). Engines sharing a cache must name their model alike (same path or hub id)."""
+    model = vllm_config.model_config
+    parts = {
+        "model": str(model.model),
+        "revision": str(getattr(model, "revision", None)),
+        "namespace": namespace.model,
+        "dtype": geometry.dtype,
+        "block_size": geometry.block_size,
+        "page_bytes": geometry.page_bytes,
+        "layers": geometry.num_layers,
+        "attention": geometry.kind,  # full, mla, swa<window>: one KV cache group's
+        "layout": f"blocks-outermost/{layout.fingerprint}",
+    }
+    return ";".join(f"{name}={value}" for name, value in parts.items()).encode()
 
 
 def hashed_prompt(

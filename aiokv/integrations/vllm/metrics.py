@@ -23,6 +23,7 @@ COUNTERS = {
     "host_tier_bytes_written": "Bytes written into the host-memory tier (stores and promotions)",
     "host_tier_evictions": "Chunks dropped from the host-memory tier to make room",
     "host_tier_promotions": "Chunks loaded from the store behind the host tier and written into it",
+    "chunks_verify_failed": "Chunks read whole whose checksum, key or fingerprint did not match (recomputed)",
 }
 
 

@@ -8,6 +8,7 @@ import math
 import time
 from typing import Any, Protocol
 
+from ...codes import Code
 from ...errors import WorkerClosedError
 from .tier_worker import TIER_COUNTERS
 
@@ -38,6 +39,7 @@ def connector_counters(stats: dict[str, Any]) -> dict[str, int]:
             for key, value in stats.get("host_tier", {}).items()
             if key in TIER_COUNTERS
         },
+        "chunks_verify_failed": stats["backend_errors"].get(int(Code.VERIFY_FAILED), 0),
     }
 
 

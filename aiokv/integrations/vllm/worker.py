@@ -21,13 +21,14 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping
 from typing import Any
 
+from ...backends.verified import VerifiedBackend
 from ...results import LoadResult
 from ...threaded import ThreadedKVWorker
 from .clients import acquire_backend, at_exit, release_backend, safe_call
 from .config import ConnectorConfig
 from .geometry import EngineGeometry, engine_layout
 from .group_workers import GroupWorkers
-from .keys import key_namespace
+from .keys import key_namespace, value_fingerprint
 from .metadata import AiokvConnectorMetadata, TransferSpec
 from .stats_reporter import StatsReporter
 from .tier_worker import TierWorker, open_tier_worker
@@ -79,6 +80,7 @@ class WorkerSide:
 
         self.config = config
         self.geometry = geometry
+        self.vllm_config = vllm_config
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.tp_rank = int(get_tensor_model_parallel_rank())
         pp_rank = int(get_pp_group().rank_in_group)
@@ -89,7 +91,8 @@ class WorkerSide:
         # MLA: the KV is the same on every TP rank; one rank writes the shared key, all read it.
         self.writes = not (geometry.is_mla and self.tp_rank != 0)
         self.chunk_tokens = config.chunk_blocks * geometry.block_size
-        self._backend: Any = None
+        self._backend: Any = None  # this process's shared backend (clients.acquire_backend)
+        self._verified: list[VerifiedBackend] = []  # over it, one per group, when values are verified
         # One aiokv worker per KV cache group: a sliding-window group moves fewer chunks than the others.
         self._groups: GroupWorkers | None = None
         self._on_cuda = False
@@ -124,6 +127,7 @@ class WorkerSide:
                     layouts,
                     self._backend,
                     self.namespaces,
+                    wrap=functools.partial(self._verifying, layouts) if self.config.verify_values else None,
                     chunk_tokens=self.chunk_tokens,
                     executor_threads=self.config.executor_threads,
                 )
@@ -136,21 +140,30 @@ class WorkerSide:
             if self._groups is not None:  # the tier failed: nothing may use the store's workers either
                 groups, self._groups = self._groups, None
                 groups.close()
-            if self._backend is not None:
-                release_backend(self.engine_id, self._backend)
-            self._backend = None
+            self._release_backend()
             return
         self._stats = [StatsReporter(worker, _STATS_INTERVAL_S) for worker in self._workers]
         at_exit(self.shutdown)
         for group, layout in zip(self.geometry.groups, layouts, strict=True):
             logger.info(
-                "aiokv: KV cache registered (%s group: %d layers x %d blocks of %d bytes, %d tokens per key)",
+                "aiokv: KV cache registered (%s group: %d layers x %d blocks of %d bytes, %d tokens per key, "
+                "values %s)",
                 group.kind,
                 layout.num_regions,
                 layout.num_blocks,
                 group.page_bytes,
                 self.chunk_tokens,
+                "verified" if self._verified else "not verified",
             )
+
+    def _verifying(self, layouts: list[Any], group: int, backend: Any) -> VerifiedBackend:
+        """Group ``group``'s view of the store, its values verified under the group's own fingerprint."""
+        namespace, geometry = self.namespaces[group], self.geometry.groups[group]
+        fingerprint = value_fingerprint(self.vllm_config, namespace, geometry, layouts[group])
+        # The shared backend is released (and closed) by its owner, not by the wrapper.
+        verified = VerifiedBackend(backend, fingerprint, close_inner=False)
+        self._verified.append(verified)
+        return verified
 
     # -- each step ------------------------------------------------------------------------------
 
@@ -329,6 +342,8 @@ class WorkerSide:
             worker_stats = worker.stats()
             worker_stats.pop("latency", None)
             _add_counters(out, worker_stats)
+        for verified in self._verified:
+            _add_counters(out.setdefault("verification", {}), verified.verification_stats())
         return out
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -346,6 +361,12 @@ class WorkerSide:
         if self._groups is not None:
             groups, self._groups = self._groups, None
             groups.close()
+        self._release_backend()
+
+    def _release_backend(self) -> None:
+        verified, self._verified = self._verified, []
+        for wrapper in verified:
+            safe_call("closing the value verification", wrapper.close)
         if self._backend is not None:
             backend, self._backend = self._backend, None
             release_backend(self.engine_id, backend)

@@ -1,5 +1,7 @@
-"""The keys of one batch: every request's keys, their positions in the batch's list of unique keys,
-and the outcome of each store key (shared with every request that has it).
+"""One batch (:class:`Cycle`): its keys, their positions in the batch's list of unique keys, the
+outcome of each store key (shared with every request that has it), and the claims that give each store
+key one writer across overlapping batches (:class:`Claims`; a key another batch claimed makes a
+:class:`Wait`: the request takes that batch's outcome for it).
 
 Inside a batch, keys live in object arrays (:data:`KeyArray`), which the garbage collector never
 tracks: the next young collection walked every list or tuple of them (a 62,500-key prompt's four:
@@ -9,9 +11,11 @@ a piece at a time (:func:`pick`)."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import operator
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -32,8 +36,9 @@ def key_array(keys: Collection[str]) -> KeyArray:
 class Cycle:
     """The keys of one batch and the outcome of the store keys it claimed.
 
-    ``outcome`` is written by the batch that claimed a key; ``outcomes_ready`` is set once every
-    outcome of the batch is final, for requests of other batches that wait on them.
+    ``outcome`` is written (through the tracker, :mod:`.tracker`) by the batch that claimed a key;
+    ``outcomes_ready`` is set once every outcome of the batch is final (``RequestTracker.publish``), for
+    requests of other batches that wait on them.
     """
 
     outcomes_ready: asyncio.Future[None]
@@ -59,11 +64,15 @@ class Cycle:
         self.owned = np.zeros(len(keys), dtype=bool)
         self.outcome = np.full(len(keys), Code.PENDING, dtype=np.int64)
 
-    def publish(self) -> None:
-        """Mark every outcome final: a claimed key nobody wrote went away with its writer."""
-        self.outcome[self.owned & (self.outcome == Code.PENDING)] = Code.WRITER_CANCELLED
-        if not self.outcomes_ready.done():
-            self.outcomes_ready.set_result(None)
+
+@dataclass(slots=True)
+class Wait:
+    """Chunks of a store whose outcome another request of ``cycle`` decides (it writes them)."""
+
+    cycle: Cycle
+    group: int
+    chunks: IntArray
+    keys: KeyArray
 
 
 async def assign_positions(
@@ -135,3 +144,67 @@ def rows_of(keys: KeyArray, rows: IntArray) -> KeyArray:
 def consecutive(rows: IntArray) -> bool:
     """Whether ascending ``rows`` are one run (``arange(first, last + 1)``)."""
     return bool(rows.size) and int(rows[-1]) - int(rows[0]) + 1 == rows.size
+
+
+class Claimant(Protocol):
+    """What claiming reads and writes of a store request (:class:`~aiokv._engine.request.Request`),
+    typed here so that this module needs nothing of the request's, which imports this one."""
+
+    keys: tuple[KeyArray, ...]
+    positions: tuple[IntArray, ...]
+    waits: tuple[Wait, ...]
+
+
+class Claims:
+    """Which batch writes each store key now; only the claiming batch removes its claims.
+
+    A key maps to its batch's number, not to the batch: a dict of ``str`` to ``int`` is never tracked
+    by the garbage collector, while one holding the batches is, and young collections walked all the
+    claims (see above)."""
+
+    def __init__(self) -> None:
+        self._owner: dict[str, int] = {}
+        self._batches: dict[int, Cycle] = {}  # the batches holding claims, by number
+        self._numbers = itertools.count()
+
+    async def claim(self, cycle: Cycle, stores: Sequence[Claimant]) -> None:
+        """Claim the store keys nobody claimed; add a Wait for the others."""
+        number = cycle.number = next(self._numbers)
+        self._batches[number] = cycle
+        claims = self._owner
+        clock = LoopSlice()
+        for request in stores:
+            for group, keys in enumerate(request.keys):
+                foreign: list[tuple[IntArray, IntArray]] = []  # per piece: others' chunks, and whose
+                for part in pieces(len(keys)):
+                    owners = [claims.setdefault(k, number) for k in keys[part]]
+                    if owners.count(number) != len(owners):  # C speed: the usual case has none
+                        whose = np.asarray(owners)
+                        others = np.flatnonzero(whose != number)
+                        foreign.append((others + part.start, whose[others]))
+                    await clock.tick()
+                positions = request.positions[group]
+                if not foreign:
+                    cycle.owned[positions] = True
+                    continue
+                chunks = np.concatenate([c for c, _ in foreign])
+                owners_of = np.concatenate([w for _, w in foreign])
+                mine = np.ones(len(keys), dtype=bool)
+                mine[chunks] = False
+                cycle.owned[positions[mine]] = True
+                for other in np.unique(owners_of).tolist():
+                    theirs = chunks[owners_of == other]
+                    request.waits += (Wait(self._batches[other], group, theirs, keys[theirs]),)
+            await clock.tick()
+        owned = cycle.owned
+        cycle.claimed = cycle.keys if owned.all() else cycle.keys[owned]
+
+    async def release(self, cycle: Cycle) -> None:
+        """Drop ``cycle``'s claims (its outcomes are published next: ``RequestTracker.publish``)."""
+        claims = self._owner
+        clock = LoopSlice()
+        for part in pieces(len(cycle.claimed)):
+            for key in cycle.claimed[part]:
+                del claims[key]
+            await clock.tick()
+        self._batches.pop(cycle.number, None)
