@@ -98,7 +98,7 @@ def test_loading_engine_hits_the_store(tiny_run: dict[str, Any]) -> None:
         assert figures[name]["mixed_load_hit_tokens"] > 0, name
         # (load_gbps is left out when a hit was not slower than vLLM's own cache: timing, not checked)
         assert figures[name][f"ttft_s:{PROMPT_TOKENS}"] > 0, name
-    assert set(tiny_run["ratios"]) == {"aiokv", "aiokv-vllm-keys"}
+    assert set(tiny_run["ratios"]) == {"aiokv", "aiokv-vllm-keys", "aiokv/aiokv-unverified"}
     assert tiny_run["goals"], "the goals against vLLM's connector were not judged"
 
 

@@ -28,6 +28,8 @@ from .metadata import AiokvConnectorMetadata, TransferSpec
 
 logger = logging.getLogger("aiokv.vllm")
 
+LOOKUP_LEASE_CACHES = 8  # the scheduler's lookups may hold leases on this many KV caches' worth of chunks
+
 
 @dataclass
 class _Lookup:
@@ -87,10 +89,16 @@ class SchedulerSide:
                 ],
                 chunk_tokens=self.chunk_tokens,
                 executor_threads=1,
-                # A lookup worker's own layout is one scratch page: its lookups may lease what the
-                # engine's KV cache holds of its group (the default budget would be that one page).
+                # A lookup worker's own layout is one scratch page (the default budget would be that one
+                # page). The budget counts each lookup's chunks for a lease's length, a prompt asked
+                # about again (a duplicate request, a re-ask) once more each time: at one KV cache's
+                # worth, twelve concurrent requests asked twice within a lease were cut to their shared
+                # prefix (tests/vllm/test_vllm_concurrency.py). LOOKUP_LEASE_CACHES caches' worth
+                # still bounds what lookups hold, far below a store that serves several engines.
                 lease_budgets=[
-                    LeaseBudget(max_bytes=cache_blocks * group.num_layers * group.page_bytes)
+                    LeaseBudget(
+                        max_bytes=LOOKUP_LEASE_CACHES * cache_blocks * group.num_layers * group.page_bytes
+                    )
                     for group in geometry.groups
                 ],
             )
