@@ -89,12 +89,9 @@ class SchedulerSide:
                 ],
                 chunk_tokens=self.chunk_tokens,
                 executor_threads=1,
-                # A lookup worker's own layout is one scratch page (the default budget would be that one
-                # page). The budget counts each lookup's chunks for a lease's length, a prompt asked
-                # about again (a duplicate request, a re-ask) once more each time: at one KV cache's
-                # worth, twelve concurrent requests asked twice within a lease were cut to their shared
-                # prefix (tests/vllm/test_vllm_concurrency.py). LOOKUP_LEASE_CACHES caches' worth
-                # still bounds what lookups hold, far below a store that serves several engines.
+                # Not the default (the lookup layout is one scratch page). A prompt asked about again
+                # within a lease counts again: one KV cache's worth cut twelve concurrent requests asked
+                # twice to their shared prefix (test_vllm_concurrency.py); 8 caches' still bound it.
                 lease_budgets=[
                     LeaseBudget(
                         max_bytes=LOOKUP_LEASE_CACHES * cache_blocks * group.num_layers * group.page_bytes
