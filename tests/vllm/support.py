@@ -413,6 +413,52 @@ class FailingGets:
         return method
 
 
+class JitteredGets:
+    """A backend wrapper holding each get call back a random while (none, 50 ms or 300 ms, drawn per
+    call): a request's gets finish out of order and many engine steps after the step that asked for
+    them, so a load reported finished before its last get wrote the blocks, or a get whose bytes land
+    in another request's blocks, changes outputs on any CPU, whatever its timing there."""
+
+    DELAYS_S = (0.0, 0.05, 0.3)
+
+    def __init__(self, inner: Any, seed: int) -> None:
+        import random
+
+        self.inner = inner
+        self._random = random.Random(seed)
+        self._lock = threading.Lock()  # gets run on several transfer threads
+
+    def _hold(self) -> None:
+        import time
+
+        with self._lock:
+            delay = self._random.choice(self.DELAYS_S)
+        time.sleep(delay)
+
+    def batch_get(self, keys: Any, addrs: Any, sizes: Any) -> list[int]:
+        return self._held(self.inner.batch_get, keys, addrs, sizes)
+
+    def _held(self, get: Any, keys: Any, addrs: Any, sizes: Any) -> list[int]:
+        self._hold()
+        codes: list[int] = get(keys, addrs, sizes)
+        return codes
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.inner, name)
+        if name == "read_from_replicas":
+            return functools.partial(self._held, method)
+        return method
+
+
+def jittered_gets_mooncake(config: Any, *, pure_client: bool) -> Any:
+    """Backend factory for ``"backend": "tests.vllm.support:jittered_gets_mooncake"``: Mooncake with
+    every get held back at random (:class:`JitteredGets`, seeded by ``AIOKV_TEST_JITTER_SEED``)."""
+    from aiokv.integrations.vllm.clients import new_mooncake_backend
+
+    inner = new_mooncake_backend(config, pure_client=pure_client)
+    return JitteredGets(inner, int(os.environ.get("AIOKV_TEST_JITTER_SEED", "0")))
+
+
 def _rows(regions: Any, rows: list[int]) -> Any:
     """``regions``' rows ``rows``, as the same kind of sequence (a backend call's arrays stay arrays)."""
     return regions[rows] if isinstance(regions, np.ndarray) else [regions[i] for i in rows]
