@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from aiokv.testing.vllm_server import Completion
-from benchmarks.vllm_http import build_prompts, compare_tokens, figures, ratios
+from benchmarks.vllm_http import CONFIGS, build_prompts, compare_tokens, figures, ratios
 
 
 def completion(tokens: list[int], cached: int, prompt_tokens: int, ttft: float) -> Completion:
@@ -39,6 +39,20 @@ def test_figures_and_ratios() -> None:
     table = ratios({"recompute": want, "aiokv": got})
     assert table["aiokv / recompute"]["ttft_p50_s"] == pytest.approx(0.4)
     assert table["aiokv / recompute"]["requests_per_s"] == pytest.approx(2.0)
+    assert set(table) == {"aiokv / recompute"}  # no pair names a configuration that did not run
+    tiered = ratios({"recompute": want, "aiokv": want, "tiered": got})
+    assert tiered["tiered / aiokv"]["ttft_p50_s"] == pytest.approx(0.4)
+
+
+def test_host_tier_configurations_load_from_the_storing_server() -> None:
+    store = {"mode": "standalone-store"}
+    for name, backend in (("embedded", "memory"), ("tiered", "tiered")):
+        config = CONFIGS[name]
+        transfer = config.transfer(store, {"chunk_blocks": 1})
+        assert transfer is not None and not config.fresh_loader
+        extra = transfer["kv_connector_extra_config"]
+        assert extra["backend"] == backend and extra["chunk_blocks"] == 1
+        assert ("mooncake_config" in extra) == (backend == "tiered")
 
 
 def test_greedy_tokens_compared_with_recompute() -> None:
