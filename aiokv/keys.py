@@ -67,6 +67,11 @@ def uint32_tokens(tokens: npt.NDArray[np.integer[Any]]) -> npt.NDArray[np.uint32
     """A copy of ``tokens`` in the canonical encoding (:func:`token_bytes` then only views it), or None
     when a value is outside ``[0, 2**32)`` (the hashing reports it)."""
     in_range = tokens.dtype == np.dtype("<u4") or not tokens.size
+    if not in_range and tokens.dtype == np.int64:
+        # As uint64 a negative value is past the limit too: one reduction instead of two.
+        in_range = int(tokens.view(np.uint64).max()) < _TOKEN_LIMIT
+        if not in_range:
+            return None
     if not in_range and (int(tokens.min()) < 0 or int(tokens.max()) >= _TOKEN_LIMIT):
         return None
     return tokens.astype("<u4")  # always a copy
