@@ -153,14 +153,15 @@ def check_block_ids(
                 f"need {needed}"
             )
         used = array[:needed]
-        outside = (used < 0) | (used >= layout.num_blocks)
-        if outside.any():
-            index = int(np.flatnonzero(outside)[0])
+        # As uint64 a negative id is past every block: one reduction checks both ends (a request's
+        # few ids cost per-call NumPy overhead, not per-element work).
+        if used.size and int(used.view(np.uint64).max()) >= layout.num_blocks:
+            index = int(np.flatnonzero((used < 0) | (used >= layout.num_blocks))[0])
             raise InvalidRequestError(
                 f"block_ids[{group}][{index}] = {int(used[index])} is outside the group's "
                 f"{layout.num_blocks} blocks"
             )
-        if isinstance(ids, np.ndarray) and np.may_share_memory(used, ids):
+        if isinstance(ids, np.ndarray) and (array is ids or np.may_share_memory(used, ids)):
             # An int64 array (or a row of a 2-D table) passes unconverted: the pipeline reads it after
             # the call returns, so it takes its own copy (one memcpy), as every other form gets.
             used = used.copy()

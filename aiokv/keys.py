@@ -67,6 +67,11 @@ def uint32_tokens(tokens: npt.NDArray[np.integer[Any]]) -> npt.NDArray[np.uint32
     """A copy of ``tokens`` in the canonical encoding (:func:`token_bytes` then only views it), or None
     when a value is outside ``[0, 2**32)`` (the hashing reports it)."""
     in_range = tokens.dtype == np.dtype("<u4") or not tokens.size
+    if not in_range and tokens.dtype == np.int64:
+        # As uint64 a negative value is past the limit too: one reduction instead of two.
+        in_range = int(tokens.view(np.uint64).max()) < _TOKEN_LIMIT
+        if not in_range:
+            return None
     if not in_range and (int(tokens.min()) < 0 or int(tokens.max()) >= _TOKEN_LIMIT):
         return None
     return tokens.astype("<u4")  # always a copy
@@ -81,18 +86,22 @@ def digests_to_hex(digests: Sequence[bytes]) -> list[str]:
     lengths = set(map(len, digests))
     if len(lengths) == 1 and (length := lengths.pop()) >= width:
         rows = np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(len(digests), length)
-        joined = rows[:, :width].tobytes()
+        # A contiguous copy first: tobytes() of the strided view walks it byte by byte (4x slower).
+        joined = np.ascontiguousarray(rows[:, :width]).tobytes()
     else:
         joined = b"".join([d[:width] for d in digests])
     return joined.hex(" ", width).split(" ")
 
 
-def chunk_hashes(token_ids: TokenIds, chunk_tokens: int) -> list[str]:
-    """One hex digest per whole chunk of ``token_ids`` (a trailing partial chunk has none)."""
-    chunk_tokens = as_positive_int(chunk_tokens, "chunk_tokens")
+def _token_digests(token_ids: TokenIds, chunk_tokens: int) -> list[bytes]:
     data = token_bytes(token_ids)
     count = len(data) // 4 // chunk_tokens
-    return digests_to_hex(chain_digests(data, 4 * chunk_tokens, count, chain_seed(chunk_tokens)))
+    return chain_digests(data, 4 * chunk_tokens, count, chain_seed(chunk_tokens))
+
+
+def chunk_hashes(token_ids: TokenIds, chunk_tokens: int) -> list[str]:
+    """One hex digest per whole chunk of ``token_ids`` (a trailing partial chunk has none)."""
+    return digests_to_hex(_token_digests(token_ids, as_positive_int(chunk_tokens, "chunk_tokens")))
 
 
 def _block_hash_bytes(value: object, index: int) -> bytes:
@@ -183,10 +192,19 @@ class HashedPrompt:
         return len(self.hashes) * self.chunk_tokens
 
     @classmethod
+    def _chained(cls, digests: list[bytes], chunk_tokens: int) -> HashedPrompt:
+        """A prompt of digests this module chained itself: hex, so clean, and distinct (two equal
+        chained 128-bit digests would be a SHA-256 collision), so ``__post_init__``'s checks, a fifth
+        of the hashing's cost on long prompts, are skipped."""
+        prompt = object.__new__(cls)
+        object.__setattr__(prompt, "hashes", tuple(digests_to_hex(digests)))
+        object.__setattr__(prompt, "chunk_tokens", chunk_tokens)
+        return prompt
+
+    @classmethod
     def from_tokens(cls, token_ids: TokenIds, chunk_tokens: int) -> HashedPrompt:
-        return cls(
-            tuple(chunk_hashes(token_ids, chunk_tokens)), as_positive_int(chunk_tokens, "chunk_tokens")
-        )
+        chunk_tokens = as_positive_int(chunk_tokens, "chunk_tokens")
+        return cls._chained(_token_digests(token_ids, chunk_tokens), chunk_tokens)
 
     @classmethod
     def from_block_hashes(
@@ -217,7 +235,7 @@ class HashedPrompt:
             for start in range(0, len(encoded) - per_chunk + 1, per_chunk):
                 previous = hashlib.sha256(previous + b"".join(encoded[start : start + per_chunk])).digest()
                 digests.append(previous)
-        return cls(tuple(digests_to_hex(digests)), chunk_tokens)
+        return cls._chained(digests, chunk_tokens)
 
 
 @dataclass(frozen=True, slots=True)

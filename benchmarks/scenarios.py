@@ -13,6 +13,10 @@ checkout, so it imports only aiokv's public API as commit 6b4e374 already had it
   the same blocks.
 * ``embedded``: four concurrent stores then loads of 16K-token prompts on the embedded backend
   (``MemoryBackend``), 8 regions of 16 KiB blocks: CPU per request and per byte, GB/s, loop lag.
+* ``throughput``: small requests served continuously (issue 27.3): concurrent callers each store a
+  1,024-token prompt (4 chunks of 256 tokens, 2 regions of 1 KiB blocks) on the embedded backend, then
+  load it into other blocks, again and again; requests (stores and loads) per second of wall and per
+  second of process CPU.
 * ``tiny``: the seed's shape at 2K tokens and 4 regions, one round (a smoke run of the runner).
 """
 
@@ -262,7 +266,58 @@ async def embedded(rounds: int = 3) -> Figures:
     return out
 
 
-SCENARIOS: dict[str, Callable[[], Awaitable[Figures]]] = {"seed": seed, "embedded": embedded, "tiny": tiny}
+async def throughput(pairs: int = 3000, callers: int = 64, rounds: int = 3) -> Figures:
+    """``callers`` tasks share ``pairs`` store-then-load pairs of distinct 1,024-token prompts per round,
+    each caller with its own blocks; one warm-up round of a tenth as many."""
+    tokens, chunk, regions, block_bytes = 1024, 256, 2, 1024
+    chunks = tokens // chunk
+    caches = [np.zeros((2 * chunks * callers, block_bytes), dtype=np.uint8) for _ in range(regions)]
+    layout = aiokv.KVLayout([c.ctypes.data for c in caches], [block_bytes], chunk, 2 * chunks * callers)
+    blocks = np.arange(2 * chunks * callers).reshape(callers, 2, chunks)
+    rows: list[tuple[list[float], list[float], float, float]] = []
+    backend = aiokv.MemoryBackend()
+    try:
+        async with aiokv.KVWorker(layout, backend, namespace="throughput", chunk_tokens=chunk) as worker:
+
+            async def caller(index: int, prompts: Any) -> None:
+                store_ids, load_ids = blocks[index]
+                for prompt in prompts[index::callers]:
+                    if (await worker.store(prompt, [store_ids])).stored != chunks:
+                        raise RuntimeError("a throughput store did not write every chunk")
+                    if (await worker.load(prompt, [load_ids])).loaded_tokens != tokens:
+                        raise RuntimeError("a throughput load did not read every chunk")
+
+            for r in range(rounds + 1):
+                count = pairs if r else max(callers, pairs // 10)
+                prompts = np.random.default_rng((r, 13)).integers(0, 128_000, size=(count, tokens))
+
+                async def run(prompts: Any = prompts) -> None:
+                    await asyncio.gather(*(caller(i, prompts) for i in range(callers)))
+
+                row = await measured(run)
+                if r:
+                    rows.append(row)
+    finally:
+        backend.close()
+    requests = 2 * pairs
+    cpu = float(np.median([row[2] for row in rows]))
+    wall = float(np.median([row[3] for row in rows]))
+    out: Figures = {
+        "requests_per_s": requests / wall,
+        "stores_per_s": pairs / wall,
+        "requests_per_cpu_s": requests / cpu,
+        "cpu_per_request_us": cpu / requests * 1e6,
+    }
+    out.update(_lag_figures("", [x for row in rows for x in row[0]], [x for row in rows for x in row[1]]))
+    return out
+
+
+SCENARIOS: dict[str, Callable[[], Awaitable[Figures]]] = {
+    "seed": seed,
+    "embedded": embedded,
+    "throughput": throughput,
+    "tiny": tiny,
+}
 
 
 async def _main(names: list[str]) -> dict[str, Figures]:

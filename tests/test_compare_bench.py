@@ -47,3 +47,18 @@ def test_compare_refuses_an_unknown_scenario() -> None:
     )
     assert done.returncode == 2
     assert "unknown scenario" in done.stderr
+
+
+def test_throughput_scenario_stores_and_loads_every_request() -> None:
+    """The throughput scenario, small: it raises unless every store wrote and every load read its
+    prompt, so figures come back only from requests that moved their bytes."""
+    import asyncio
+
+    from benchmarks import scenarios
+
+    figures = asyncio.run(scenarios.throughput(pairs=64, callers=8, rounds=1))
+    assert (
+        figures["requests_per_s"] == pytest.approx(2 * figures["stores_per_s"])
+        and figures["stores_per_s"] > 0
+    )
+    assert figures["cpu_per_request_us"] > 0 and figures["requests_per_cpu_s"] > 0

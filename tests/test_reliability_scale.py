@@ -579,14 +579,29 @@ def test_bench_scale_reports_both_workloads_against_both_baselines(
     assert bench_cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "loop stalls at scale" in out and "lag max / direct" in out
+    assert "50 stores of 1 chunk(s)" in out and "process CPU per request" in out
     report = json.loads(json_path.read_text())
     assert report["parameters"]["keys"] == 100
     paths = {(f["workload"], f["path"]) for f in report["figures"]}
     assert paths == {(w, p) for w in ("many requests", "long prompt") for p in ("worker", "direct", "idle")}
     for figures in report["figures"]:
         assert figures["lag_max_ms"] >= figures["lag_p99_ms"] and figures["wall_ms"] > 0
-        assert figures["lookups"] >= 1 and figures["lookup_max_ms"] > 0
+        assert figures["lookups"] >= 1 and figures["lookup_max_ms"] > 0 and figures["cpu_ms"] > 0
     assert set(report["ratios"]) == {"many requests", "long prompt"}
+    # 50 stores through the worker cost more CPU than the ticker and prober alone.
+    assert report["ratios"]["many requests"]["cpu_per_request_us"] > 0
     collector = report["collector"]
     assert collector["requests"] == 50 and collector["queued_full_collection_ms"] > 0
-    assert 0 < collector["queued_objects_per_request"] <= TRACKED_PER_REQUEST
+    # + 1: the batch's own few dozen objects, one per request at 50 (the 2,000-request test above
+    # holds the bound itself).
+    assert 0 < collector["queued_objects_per_request"] <= TRACKED_PER_REQUEST + 1
+
+
+def test_bench_scale_stores_requests_of_several_chunks(tmp_path: Path) -> None:
+    """Issue 27's shape (1,024 tokens in 4 chunks a request), small: every chunk is stored."""
+    json_path = tmp_path / "scale.json"
+    argv = ["scale", "--requests", "40", "--request-chunks", "4", "--chunk-tokens", "256"]
+    assert bench_cli.main([*argv, "--prompt-tokens", "2048", "--rounds", "1", "--json", str(json_path)]) == 0
+    report = json.loads(json_path.read_text())
+    assert report["parameters"]["request_chunks"] == 4
+    assert report["ratios"]["many requests"]["cpu_per_request_us"] > 0

@@ -79,4 +79,12 @@ class ExistenceCheck:
 def _presence(answer: Sequence[bool], keys: Sized) -> BoolArray:
     if len(answer) != len(keys):
         raise BackendError(f"batch_exists answered {len(answer)} values for {len(keys)} keys")
+    if isinstance(answer, list) and answer and type(answer[0]) is bool:
+        # A list of bools through bytes(): ~3x faster than np.asarray of the list (~0.1 ms per 10,000
+        # keys on the loop). Anything bytes() refuses (a NumPy bool on NumPy 2) takes the general
+        # conversion; the first item's type keeps NumPy 1's bool-as-index warning out of the way.
+        try:
+            return np.frombuffer(bytes(answer), dtype=np.uint8) != 0
+        except (TypeError, ValueError):
+            pass
     return np.asarray(answer, dtype=bool)

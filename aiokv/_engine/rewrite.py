@@ -69,7 +69,8 @@ class UnreadableKeys:
                     continue
                 codes = rows.request.codes[group][rows.chunks]
                 keys = rows.request.keys[group]
-                failed = np.isin(codes, _READ_FAILURES)
+                # Two comparisons, not np.isin: ~1 us against ~30 us on a request's few chunks.
+                failed = (codes == _READ_FAILURES[0]) | (codes == _READ_FAILURES[1])
                 if failed.any():
                     self.add(pick(keys, rows.chunks[failed]))
                 if self._keys and (codes >= 0).any():
