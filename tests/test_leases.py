@@ -1,6 +1,9 @@
-"""The lease budget (aiokv/leases.py): the ledger's arithmetic on a clock of the test's own, and a worker
-over a real Mooncake client (loopback master) whose lookups stop asking once the budget is spent and ask
-again as their leases run out. Under eviction pressure in a real cluster: tests/cluster/test_leases.py."""
+"""The lease budget (aiokv/leases.py): the ledger's arithmetic on a clock of the test's own (distinct
+chunks: a chunk looked up again holds one lease), and workers over a real Mooncake store (loopback
+master): lookups stop asking about new chunks once the budget is spent and ask again as their leases
+run out; a chunk looked up twice holds one lease in the store as in the ledger; under memory pressure,
+duplicate lookups keep answering whole and many lookups never starve eviction. Across nodes in a real
+cluster: tests/cluster/test_leases.py."""
 
 from __future__ import annotations
 
