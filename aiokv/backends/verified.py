@@ -223,7 +223,7 @@ class VerifiedBackend(ClosingContext):
         codes[failed] = VERIFY_FAILED
         found = [(int(i), MISMATCHES[framing[i]]) for i in failed.tolist()]
         with self._lock:
-            self._verified += int(np.count_nonzero(read)) - len(found)
+            self._verified += int(np.count_nonzero(verified))
             self._failures.update(mismatch for _, mismatch in found)
         if found:
             self._report(keys, found, stored, lengths)
