@@ -40,8 +40,8 @@ class LeaseBudget:
 
     ``max_bytes``: bytes of chunks found (a chunk's bytes over every KV-cache group); ``None`` means the
     worker's own KV cache size, the most it could load at once. ``max_chunks``: chunks found; ``None``:
-    no bound beyond ``max_bytes``. Each found chunk counts for the backend's lease length
-    (``read_lease_s``) after the lookup that found it.
+    no bound beyond ``max_bytes``. Chunks count once each (distinct), for the backend's lease length
+    (``read_lease_s``) after the last lookup that found them.
     """
 
     max_bytes: int | None = None
