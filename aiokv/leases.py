@@ -6,28 +6,32 @@ loadable until the engine loads it. But every lookup leases what it finds, and n
 early (Mooncake has no call for it): many lookups of large prompts can lease so much of the store that
 it has nothing left to evict, and puts fail "no space" (-200) until leases run out.
 
-So a worker bounds what its lookups hold: :class:`LeaseBudget` (bytes and chunks); each lookup asks the
-store only about as many leading chunks as the budget has room for, and the chunks it found count
-against the budget for the backend's ``read_lease_s`` after the answer (the lease's own length: a lease
-of an aborted or preempted request is left to expire with it). A lookup that finds the budget spent
-answers a shorter prefix, or 0, without asking the store: the engine recomputes those tokens instead of
-pinning more of the store. The :class:`LeaseLedger` keeps the count; backends without leases
-(``read_lease_s`` 0, the embedded store) keep none.
+So a worker bounds what its lookups hold: :class:`LeaseBudget` (bytes and chunks), in distinct chunks
+(a chunk leased twice holds one lease: Mooncake renews it). Each lookup asks the store only about as
+many leading chunks as the budget has room for (chunks it already holds cost nothing), and the chunks
+it found count against the budget until ``read_lease_s`` after the last lookup that found them (the
+lease's own length: a lease of an aborted, preempted or finished request is left to expire with it).
+How much: never more than the budget's chunks at once; how long: a chunk no lookup finds again is free
+one lease after the last one did. A lookup that finds the budget spent answers a shorter prefix, or 0,
+without asking the store: the engine recomputes those tokens instead of pinning more of the store. The
+:class:`LeaseLedger` keeps the count; backends without leases (``read_lease_s`` 0, the embedded store)
+keep none.
 """
 
 from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ._engine.batch import KeyArray
     from ._engine.request import Request
     from .layout import KVLayout
 
-__all__ = ["LeaseBudget", "LeaseLedger", "lease_ledger", "trim_lookup"]
+__all__ = ["Claim", "LeaseBudget", "LeaseLedger", "lease_ledger", "trim_lookup"]
 
 
 @dataclass(frozen=True)
@@ -36,8 +40,8 @@ class LeaseBudget:
 
     ``max_bytes``: bytes of chunks found (a chunk's bytes over every KV-cache group); ``None`` means the
     worker's own KV cache size, the most it could load at once. ``max_chunks``: chunks found; ``None``:
-    no bound beyond ``max_bytes``. Each found chunk counts for the backend's lease length
-    (``read_lease_s``) after the lookup that found it.
+    no bound beyond ``max_bytes``. Chunks count once each (distinct), for the backend's lease length
+    (``read_lease_s``) after the last lookup that found them.
     """
 
     max_bytes: int | None = None
@@ -60,65 +64,122 @@ class LeaseBudget:
         return chunks if self.max_chunks is None else min(chunks, self.max_chunks)
 
 
-class LeaseLedger:
-    """The chunks a worker's lookups hold: each found chunk for ``lease_s`` after its lookup answered,
-    plus the chunks of lookups still asking (reserved in full, as the store may lease every one).
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """What one lookup reserved (:meth:`LeaseLedger.reserve`) until it answers: ``granted`` leading
+    chunks asked about; ``digests``: theirs, of which ``reserved`` counted as new; ``anonymous``: chunks
+    reserved by count (a lookup that named none)."""
 
-    Used on the worker's event loop only (no lock). It errs on the side of the store, except for one
-    thing: a prompt looked up twice within a lease counts twice; but chunks present after the first
-    missing one (leased by the store, not part of the hit) are not counted.
+    granted: int
+    digests: tuple[str, ...] | None = None
+    reserved: tuple[str, ...] = ()
+    anonymous: int = 0
+
+
+class LeaseLedger:
+    """The distinct chunks a worker's lookups hold: each found chunk until ``lease_s`` after the last
+    lookup that found it (the store renews a lease at every existence check that finds the key), plus
+    the chunks of lookups still asking (reserved, as the store may lease every one).
+
+    A chunk is its digest: a prompt looked up again (duplicate requests, a re-asked or preempted one,
+    concurrent requests sharing a prefix) renews the chunks it holds and counts only the chunks not
+    held yet, so repeats never shrink the budget (the worker hashes a lookup's token ids before it asks,
+    to name its chunks; a lookup reserved by count alone is counted by count). Used on the worker's
+    event loop only (no lock). It errs on the side of the store: a failed lookup counts all it asked
+    about for a lease; chunks present after the first missing one (leased by the store, not part of the
+    hit) are not counted.
     """
 
     def __init__(self, max_chunks: int, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_chunks = max_chunks
         self.lease_s = lease_s
         self._clock = clock
-        self._held: collections.deque[tuple[float, int]] = collections.deque()  # (expiry, chunks)
-        self._held_chunks = 0
-        self._asking = 0  # chunks reserved by lookups not answered yet
+        # digest -> its lease's end; every renewal ends last (same lease_s), so the order is by expiry.
+        self._held: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._unnamed: collections.deque[tuple[float, int]] = collections.deque()  # (expiry, chunks)
+        self._unnamed_chunks = 0
+        self._asking: collections.Counter[str] = collections.Counter()  # new chunks reserved, per lookup
+        self._asking_unnamed = 0
         self.trimmed_lookups = 0  # lookups asked about fewer chunks than they named
         self.trimmed_chunks = 0
+        self.renewed_chunks = 0  # chunks found again while held: counted once
 
     def held(self) -> int:
-        """Chunks counted now: found within the last ``lease_s``, or asked about and not answered."""
+        """Chunks counted now: distinct chunks found within the last ``lease_s``, or asked about and
+        not answered."""
         now = self._clock()
-        while self._held and self._held[0][0] <= now:
-            self._held_chunks -= self._held.popleft()[1]
-        return self._held_chunks + self._asking
+        held = self._held
+        while held:
+            digest, expiry = next(iter(held.items()))
+            if expiry > now:
+                break
+            del held[digest]
+        while self._unnamed and self._unnamed[0][0] <= now:
+            self._unnamed_chunks -= self._unnamed.popleft()[1]
+        return len(held) + self._unnamed_chunks + len(self._asking) + self._asking_unnamed
 
-    def reserve(self, wanted: int) -> int:
-        """How many of a lookup's ``wanted`` leading chunks it may ask about (reserved until
-        :meth:`settle`)."""
-        granted = max(0, min(wanted, self.max_chunks - self.held()))
-        if granted < wanted:
+    def reserve(self, wanted: int, digests: Sequence[str] | KeyArray | None = None) -> Claim:
+        """How many of a lookup's ``wanted`` leading chunks it may ask about, reserved until
+        :meth:`settle`. With the chunks' ``digests``, a chunk held or reserved already costs nothing."""
+        room = max(0, self.max_chunks - self.held())
+        if digests is None:
+            granted = min(wanted, room)
+            self._asking_unnamed += granted
+            claim = Claim(granted, anonymous=granted)
+        else:
+            fresh: list[str] = []
+            granted = 0
+            for digest in digests[:wanted]:
+                if digest not in self._held and digest not in self._asking:
+                    if len(fresh) == room:
+                        break
+                    fresh.append(digest)
+                granted += 1
+            self._asking.update(fresh)
+            claim = Claim(granted, tuple(digests[:granted]), tuple(fresh))
+        if claim.granted < wanted:
             self.trimmed_lookups += 1
-            self.trimmed_chunks += wanted - granted
-        self._asking += granted
-        return granted
+            self.trimmed_chunks += wanted - claim.granted
+        return claim
 
-    def ask(self, request: Request, chunk_tokens: int) -> int:
-        """:meth:`reserve` for a lookup request, trimmed to the chunks granted; returns that count."""
-        granted = self.reserve(request.num_chunks)
-        trim_lookup(request, granted, chunk_tokens)
-        return granted
+    def ask(self, request: Request, chunk_tokens: int) -> Claim:
+        """:meth:`reserve` for a lookup request, trimmed to the chunks granted."""
+        claim = self.reserve(request.num_chunks, request.hashes)
+        trim_lookup(request, claim.granted, chunk_tokens)
+        return claim
 
-    def settle(self, granted: int, found: int) -> None:
-        """A lookup that reserved ``granted`` answered: its ``found`` chunks are held for ``lease_s``
-        from now (pass ``granted`` when it failed: the store may have leased them all the same)."""
-        self._asking -= granted
-        if found > 0:
-            self._held.append((self._clock() + self.lease_s, found))
-            self._held_chunks += found
+    def settle(self, claim: Claim, found: Sequence[str] | int) -> None:
+        """A lookup answered: its reservation ends, and the chunks it ``found`` (their digests; a count
+        when they are not known) are held for ``lease_s`` from now. A lookup that failed passes all it
+        asked about (``claim.digests``, else ``claim.granted``): the store may have leased every one."""
+        self._asking_unnamed -= claim.anonymous
+        self._asking.subtract(claim.reserved)
+        for digest in claim.reserved:
+            if self._asking[digest] <= 0:
+                del self._asking[digest]
+        expiry = self._clock() + self.lease_s
+        if isinstance(found, int):
+            if found > 0:
+                self._unnamed.append((expiry, found))
+                self._unnamed_chunks += found
+            return
+        held = self._held
+        for digest in found:
+            if digest in held:
+                self.renewed_chunks += 1
+                held.move_to_end(digest)
+            held[digest] = expiry
 
-    async def held_until(self, answer: Awaitable[int], granted: int, chunk_tokens: int) -> int:
-        """The lookup's ``answer`` (tokens found); then :meth:`settle`: the chunks it found stay counted
-        leased, or all ``granted`` if it failed (the store may have leased them all the same)."""
-        found = granted
+    async def held_until(self, request: Request, claim: Claim, chunk_tokens: int) -> int:
+        """The lookup's answer (tokens found); then :meth:`settle`: the distinct chunks it found stay
+        counted for the lease, or all it asked about if it failed."""
+        found: Sequence[str] | int = claim.granted if claim.digests is None else claim.digests
         try:
-            tokens = await answer
-            found = tokens // chunk_tokens
+            tokens: int = await request.future
+            chunks = tokens // chunk_tokens
+            found = chunks if claim.digests is None else claim.digests[:chunks]
         finally:
-            self.settle(granted, found)
+            self.settle(claim, found)
         return tokens
 
     def snapshot(self) -> dict[str, Any]:
@@ -128,6 +189,7 @@ class LeaseLedger:
             "held_chunks": self.held(),
             "trimmed_lookups": self.trimmed_lookups,
             "trimmed_chunks": self.trimmed_chunks,
+            "renewed_chunks": self.renewed_chunks,
         }
 
 

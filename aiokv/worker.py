@@ -20,6 +20,7 @@ from ._arrays import as_positive_int, as_timeout
 from ._engine.config import EngineConfig
 from ._engine.dispatcher import Dispatcher
 from ._engine.guard import BreakerGuard
+from ._engine.hashing import hash_prompts
 from ._engine.lanes import Lane, Lanes
 from ._engine.pipeline import BatchPipeline
 from ._engine.request import Request
@@ -308,19 +309,40 @@ class KVWorker:
         """Leading tokens whose chunks are present in every group (a hole ends the prefix). With a
         leasing backend, past ``lease_budget`` a lookup asks about (and answers) fewer chunks."""
         request = self._new_request(Kind.LOOKUP, tokens, None, None)
-        leases, granted = self._leases, 0
+        leases, claim = self._leases, None
         refused = bool(request.num_chunks) and self._guard is not None and not self._guard.allow(Kind.LOOKUP)
         if request.num_chunks and not refused and leases is not None:
-            granted = leases.ask(request, self._config.chunk_tokens)
+            if request.hashes is None:  # the ledger counts chunks by digest: a repeat then costs nothing
+                await self._hash_lookup(request)
+            if not request.finished:
+                claim = leases.ask(request, self._config.chunk_tokens)
         if refused:
             self._tracker.refuse(request)
+        elif request.finished:  # a bad token value failed it while hashing: its future says why
+            pass
         elif request.num_chunks == 0:  # empty, or the lease budget is spent: nothing asked, nothing leased
             self._tracker.finish_lookup(request, 0)
         else:
-            self._running_dispatcher().submit_lookup(request)
-        if leases is None or not granted:
+            try:
+                self._running_dispatcher().submit_lookup(request)
+            except BaseException:  # closed while it was hashed: nothing asked, nothing leased
+                if leases is not None and claim is not None:
+                    leases.settle(claim, 0)
+                request.cancel()
+                raise
+        if leases is None or claim is None or not claim.granted:
             return await request.future
-        return await leases.held_until(request.future, granted, self._config.chunk_tokens)
+        return await leases.held_until(request, claim, self._config.chunk_tokens)
+
+    async def _hash_lookup(self, request: Request) -> None:
+        """A lookup's digests before the lease ledger counts it, hashed in slices as a batch would
+        (the batch then skips it); a caller's cancellation cancels the request."""
+        config = self._config
+        try:
+            await hash_prompts([request], config.chunk_tokens, config.seed, self._tracker)
+        except BaseException:
+            request.cancel()
+            raise
 
     def stats(self) -> dict[str, Any]:
         """Counters since start and recent latency summaries (see :class:`aiokv.stats.WorkerStats`);

@@ -9,6 +9,10 @@ Per request: wall time and this process's CPU time (every thread: the worker's, 
 benchmark's standalone store; run it in a private network namespace::
 
     unshare -rn sh -c 'ip link set lo up && python -m benchmarks verify-cost'
+
+``--wrapper-keys N`` also times what the wrapper itself adds to one get of N small keys over the
+embedded store (this thread's CPU, the inner store's call excluded): header framing, checksums and
+answers, the per-key work that a few large values hide.
 """
 
 from __future__ import annotations
@@ -108,6 +112,40 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]
     return figures
 
 
+def wrapper_cpu_s(keys: int, regions: int, region_bytes: int, rounds: int) -> float:
+    """Median CPU of :class:`VerifiedBackend` around one get of ``keys`` keys (``regions`` regions of
+    ``region_bytes`` each, a key's regions back to back) over the embedded store, less the store's call."""
+    data = np.random.default_rng(0).integers(0, 256, keys * regions * region_bytes, dtype=np.uint8)
+    target = np.zeros_like(data)
+    inner = MemoryBackend(2 * data.nbytes + (16 << 20))
+    inner_cpu: list[float] = []
+    read = inner.batch_get
+
+    def timed_read(*args: Any) -> list[int]:
+        started = time.process_time()
+        try:
+            return read(*args)
+        finally:
+            inner_cpu.append(time.process_time() - started)
+
+    with VerifiedBackend(inner, b"verify-cost") as verified:
+        for buffer in (data, target):
+            verified.register_buffer(int(buffer.ctypes.data), buffer.nbytes)
+        offsets = (np.arange(keys)[:, None] * regions + np.arange(regions)[None, :]) * region_bytes
+        sizes = np.full((keys, regions), region_bytes, dtype=np.int64)
+        names = [f"wrapper-cost/{k:08d}" for k in range(keys)]
+        assert verified.batch_put(names, offsets + int(data.ctypes.data), sizes) == [0] * keys
+        inner.batch_get = timed_read  # type: ignore[method-assign]
+        spent = []
+        for _ in range(rounds):
+            inner_cpu.clear()
+            started = time.process_time()
+            codes = verified.batch_get(names, offsets + int(target.ctypes.data), sizes)
+            spent.append(time.process_time() - started - sum(inner_cpu))
+            assert codes == [regions * region_bytes] * keys and np.array_equal(data, target), "wrong bytes"
+    return statistics.median(spent)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks verify-cost", description=__doc__)
     parser.add_argument("--backend", choices=("mooncake", "memory"), default="mooncake")
@@ -115,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=MODEL_SHAPE["num_layers"])
     parser.add_argument("--rounds", type=int, default=10, help="requests per variant (default 10)")
     parser.add_argument("--json", help="write the raw figures here")
+    parser.add_argument(
+        "--wrapper-keys", type=int, default=0, help="also time the wrapper alone on a get of this many keys"
+    )
+    parser.add_argument("--wrapper-regions", type=int, default=2, help="regions per key there (default 2)")
+    parser.add_argument("--wrapper-region-bytes", type=int, default=1024, help="bytes per region (1024)")
     args = parser.parse_args(argv)
     figures = asyncio.run(measure(args))
     print(f"{'figure':<14} {'on (median)':>12} {'off (median)':>12} {'on / off':>9}")
@@ -126,6 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     hashing = figures["on"]["hashing_cpu_s"][0]
     print(f"hashing (store + load), thread CPU per request: {hashing:.4f} s")
     summary["hashing_cpu_s_per_request"] = hashing
+    if args.wrapper_keys > 0:
+        spent = wrapper_cpu_s(args.wrapper_keys, args.wrapper_regions, args.wrapper_region_bytes, args.rounds)
+        per_key_us = spent / args.wrapper_keys * 1e6
+        print(
+            f"wrapper alone, one get of {args.wrapper_keys} keys x {args.wrapper_regions} x "
+            f"{args.wrapper_region_bytes} B: {spent * 1e3:.2f} ms CPU ({per_key_us:.2f} us a key)"
+        )
+        summary["wrapper_cpu_s_per_get"] = spent
     if args.json:
         with open(args.json, "w") as out:
             json.dump({"args": vars(args), "summary": summary, "raw": figures}, out, indent=1)

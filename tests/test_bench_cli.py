@@ -212,3 +212,17 @@ def test_bench_on_mooncake_starts_and_stops_its_own_master(
     assert gil["longest_call_ms"] <= gil["calls_ms"]
     assert gil["max_regions_per_call"] == report["e2e"]["max_regions_per_call"]
     assert report["versions"]["mooncake"]
+
+
+def test_verify_cost_on_the_embedded_store_reports_on_off_ratios_and_the_wrapper_alone(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    json_path = tmp_path / "verify-cost.json"
+    argv = ["verify-cost", "--backend", "memory", "--tokens", "512", "--layers", "2", "--rounds", "2"]
+    assert cli.main([*argv, "--wrapper-keys", "64", "--json", str(json_path)]) == 0
+    out = capsys.readouterr().out
+    assert "load_cpu_s" in out and "wrapper alone, one get of 64 keys x 2 x 1024 B" in out
+    summary = json.loads(json_path.read_text())["summary"]
+    for figure in ("store_wall_s", "store_cpu_s", "load_wall_s", "load_cpu_s"):
+        assert summary[figure]["on"] > 0 and summary[figure]["off"] > 0
+    assert summary["wrapper_cpu_s_per_get"] > 0

@@ -76,6 +76,42 @@ def test_round_trip_real_bytes_multi_region(backend: MemoryBackend, bufs: Buffer
     assert not bufs.dst[untouched].any()
 
 
+def test_large_regions_beside_small_odd_ones_round_trip_every_byte() -> None:
+    # A verified value's shape: large pages and a 64-byte header, values packed back to back in the
+    # heap (every later value misaligned), read back at other offsets: the large regions move one
+    # slice each, the small ones by their own unit; every byte lands, nothing else is written.
+    page, keys = 96 << 10, 5
+    rng = np.random.default_rng(7)
+    src = rng.integers(0, 256, size=keys * (2 * page + 80), dtype=np.uint8)
+    dst = np.zeros(src.size + 4096, dtype=np.uint8)
+    with MemoryBackend(capacity_bytes=8 << 20) as backend:
+        for buf in (src, dst):
+            backend.register_buffer(buf.ctypes.data, buf.nbytes)
+        s, d = int(src.ctypes.data), int(dst.ctypes.data)
+        stride = 2 * page + 80
+        names = [f"v{k}" for k in range(keys)]
+        put_addrs = [
+            [s + k * stride, s + k * stride + page + 16, s + k * stride + 2 * page + 16] for k in range(keys)
+        ]
+        sizes = [[page, page, 64 - k] for k in range(keys)]  # odd tails too
+        assert backend.batch_put(names, put_addrs, sizes) == [Code.OK] * keys
+        get_addrs = [
+            [d + 3 + k * stride, d + 3 + k * stride + page, d + 3 + k * stride + 2 * page]
+            for k in range(keys)
+        ]
+        totals = [2 * page + 64 - k for k in range(keys)]
+        assert backend.batch_get(names, get_addrs, sizes) == totals
+        written = np.zeros(dst.size, dtype=bool)
+        for k in range(keys):
+            base = 3 + k * stride
+            want = np.concatenate(
+                [src[a - s : a - s + n] for a, n in zip(put_addrs[k], sizes[k], strict=True)]
+            )
+            assert np.array_equal(dst[base : base + totals[k]], want)
+            written[base : base + totals[k]] = True
+        assert not dst[~written].any()
+
+
 def test_stored_value_is_a_copy(backend: MemoryBackend, bufs: Buffers) -> None:
     original = bufs.src[0:64].copy()
     assert backend.batch_put(["k"], [[bufs.s]], [[64]]) == [Code.OK]

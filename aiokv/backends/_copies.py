@@ -31,6 +31,9 @@ _SLICE_MAX_UNITS = 1 << 20  # 8 MiB per index array
 _SLICE_MIN_UNITS = 1 << 16  # small calls: few slices, each still one vectorised copy
 _SLICE_MAX_BYTES = 16 << 20  # a slice's gathered rows
 _WIDE = 8  # misaligned regions still move in rows of this many bytes (see scatter)
+# Regions at least this large move one slice each when the call's common unit is smaller (the loop's
+# ~1 us a region is under 10 % of copying 64 KiB).
+_LARGE_REGION = 64 << 10
 
 
 def gather(source: Bytes, offsets: IntArray, sizes: IntArray, target: Bytes) -> None:
@@ -45,6 +48,21 @@ def scatter(
     if not sizes.size:
         return
     unit = _unit(offsets, sizes, target_offsets)
+    if unit < _LARGE_REGION:
+        # One small or odd region (a verified value's 64-byte header) would make every region move in
+        # small units, through an index per unit (3x slower than memcpy for 2 MiB values): large
+        # regions move one slice each instead, and the rest by the common unit of their own.
+        large = sizes >= _LARGE_REGION
+        if large.any():
+            for start, size, to in zip(
+                offsets[large].tolist(), sizes[large].tolist(), target_offsets[large].tolist(), strict=True
+            ):
+                target[to : to + size] = source[start : start + size]
+            rest = ~large
+            if not rest.any():
+                return
+            offsets, sizes, target_offsets = offsets[rest], sizes[rest], target_offsets[rest]
+            unit = _unit(offsets, sizes, target_offsets)
     if unit >= _WIDE:
         _copy_in_units(source, offsets, sizes, target, target_offsets, unit)
         return

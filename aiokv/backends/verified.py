@@ -20,6 +20,7 @@ that exists; a value of another fingerprint is left alone (it is another engine'
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -28,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import xxhash
 
 from .._arrays import BoolArray, IntArray
@@ -37,7 +39,7 @@ from ._copies import select_keys
 from ._regions import Regions, RegionTable, RegisteredMemory, check_keys
 from .base import Backend, ClosingContext, backend_traits, check_backend
 from .header_arena import DEFAULT_PAGES, SLOTS_PER_PAGE, HeaderArena
-from .value_header import HEADER_BYTES, Headers, Mismatch, digest, fill, mismatches
+from .value_header import HEADER_BYTES, MISMATCHES, NO_MISMATCH, Headers, Mismatch, digest, fill, mismatches
 
 logger = logging.getLogger("aiokv")
 
@@ -181,12 +183,12 @@ class VerifiedBackend(ClosingContext):
         for part, part_keys, sub, base, space in self._pages(keys, addrs, sizes):
             lengths = sub.key_totals()
             with self._arena.page(len(part_keys)) as (headers, first):
-                answer = [int(code) for code in read(part_keys, *_with_headers(sub, first))]
+                answer = read(part_keys, *_with_headers(sub, first))
                 # Copied out before the page goes back to the arena.
                 framing = mismatches(headers, lengths, part_keys, self._fingerprint_digest)
                 stored = headers.copy()
-            self._check_answers(part_keys, sub, lengths, answer, framing, stored, base, space)
-            _scatter_codes(codes, part, answer)
+            checked = self._check_answers(part_keys, sub, lengths, answer, framing, stored, base, space)
+            _scatter_codes(codes, part, checked)
         return codes
 
     def _check_answers(
@@ -194,44 +196,38 @@ class VerifiedBackend(ClosingContext):
         keys: list[str],
         sub: RegionTable,
         lengths: IntArray,
-        answer: list[int],
-        framing: list[Mismatch | None],
+        answer: Sequence[int],
+        framing: npt.NDArray[np.int8],
         stored: Headers,
         base: int,
         space: memoryview,
-    ) -> None:
-        """Turn ``answer`` (the inner get's per-key codes, rewritten in place) into the caller's codes:
-        the caller's byte count where the value verified, else a failure code."""
+    ) -> list[int]:
+        """The caller's codes from ``answer`` (the inner get's per-key codes): the caller's byte count
+        where the value verified, else a failure code. Vectorised over the keys."""
         if len(answer) != len(keys):
             raise BackendError(
                 f"{type(self.inner).__name__} answered {len(answer)} codes for {len(keys)} keys"
             )
-        read = [i for i, code in enumerate(answer) if code >= 0]
-        for i in read:
-            if answer[i] != int(lengths[i]) + HEADER_BYTES:
-                answer[i] = TRANSFER_FAILED  # not what was asked: the engine would not trust it either
-        framed = [i for i in read if answer[i] >= 0 and framing[i] is None]
-        if framed:
-            actual = self._timed_checksums(select_keys(sub, np.asarray(framed, dtype=np.int64)), base, space)
-            expected = stored["checksum"][framed].tolist()
-            for i, want, got in zip(framed, expected, actual, strict=True):
-                if want != got:
-                    framing[i] = Mismatch.CHECKSUM
-        failed: list[tuple[int, Mismatch]] = []
-        for i in read:
-            if answer[i] < 0:
-                continue
-            mismatch = framing[i]
-            if mismatch is None:
-                answer[i] = int(lengths[i])
-            else:
-                answer[i] = VERIFY_FAILED
-                failed.append((i, mismatch))
+        codes = np.array([int(code) for code in answer], dtype=np.int64)
+        read = codes >= 0
+        # A size not asked for: the engine would not trust it either.
+        whole = codes == lengths + HEADER_BYTES
+        codes[read & ~whole] = TRANSFER_FAILED
+        framed = np.flatnonzero(whole & (framing == NO_MISMATCH))
+        if framed.size:
+            actual = np.array(self._timed_checksums(select_keys(sub, framed), base, space), dtype=np.uint64)
+            framing[framed[stored["checksum"][framed] != actual]] = MISMATCHES.index(Mismatch.CHECKSUM)
+        verified = whole & (framing == NO_MISMATCH)
+        failed = np.flatnonzero(whole & ~verified)
+        codes[verified] = lengths[verified]
+        codes[failed] = VERIFY_FAILED
+        found = [(int(i), MISMATCHES[framing[i]]) for i in failed.tolist()]
         with self._lock:
-            self._verified += len(read) - len(failed)
-            self._failures.update(mismatch for _, mismatch in failed)
-        if failed:
-            self._report(keys, failed, stored, lengths)
+            self._verified += int(np.count_nonzero(verified))
+            self._failures.update(mismatch for _, mismatch in found)
+        if found:
+            self._report(keys, found, stored, lengths)
+        return codes.tolist()
 
     def _report(
         self, keys: list[str], failed: list[tuple[int, Mismatch]], stored: Headers, lengths: IntArray
@@ -309,19 +305,32 @@ class VerifiedBackend(ClosingContext):
 
 
 def _checksums(table: RegionTable, base: int, space: memoryview) -> list[int]:
-    """Per key, xxh3-64 of its regions back to back, read in place (no copy)."""
-    starts = (table.addrs - base).tolist()
-    ends = (table.addrs - base + table.sizes).tolist()
-    offsets = table.offsets.tolist()
+    """Per key, xxh3-64 of its regions back to back, read in place (no copy). Regions of a key that
+    lie back to back in memory (a block-major key's pages) are hashed as one span: one call instead of
+    a streaming state per key, the same digest."""
+    starts = table.addrs - base
+    ends = starts + table.sizes
+    # A span begins at each key's first region and wherever a region does not continue the previous.
+    begins = np.ones(starts.size, dtype=bool)
+    begins[1:] = starts[1:] != ends[:-1]
+    begins[table.offsets[:-1][np.diff(table.offsets) > 0]] = True
+    first_regions = np.flatnonzero(begins)
+    span_starts = starts[first_regions].tolist()
+    span_ends = ends[np.append(first_regions[1:] - 1, starts.size - 1)].tolist() if starts.size else []
+    spans_before = np.zeros(starts.size + 1, dtype=np.int64)
+    np.cumsum(begins, out=spans_before[1:])
+    bounds = spans_before[table.offsets].tolist()
+    digest_of = xxhash.xxh3_64_intdigest
+    if len(span_starts) == table.num_keys and all(a < b for a, b in itertools.pairwise(bounds)):
+        return [digest_of(space[a:b]) for a, b in zip(span_starts, span_ends, strict=True)]
     sums = []
-    for k in range(len(offsets) - 1):
-        first, last = offsets[k], offsets[k + 1]
+    for first, last in itertools.pairwise(bounds):
         if last - first == 1:
-            sums.append(xxhash.xxh3_64_intdigest(space[starts[first] : ends[first]]))
+            sums.append(digest_of(space[span_starts[first] : span_ends[first]]))
             continue
         state = xxhash.xxh3_64()
         for j in range(first, last):
-            state.update(space[starts[j] : ends[j]])
+            state.update(space[span_starts[j] : span_ends[j]])
         sums.append(state.intdigest())
     return sums
 
@@ -344,9 +353,12 @@ def _with_headers(table: RegionTable, first_header: int) -> tuple[Regions, Regio
     )
 
 
-def _scatter_codes(codes: list[int], rows: IntArray, answer: list[int]) -> None:
+def _scatter_codes(codes: list[int], rows: IntArray, answer: Sequence[int]) -> None:
     if len(answer) != rows.size:
         raise BackendError(f"the inner backend answered {len(answer)} codes for {rows.size} keys")
+    if rows.size == len(codes):  # every key proven, in one page: rows are 0..n-1
+        codes[:] = [int(code) for code in answer]
+        return
     for k, code in zip(rows.tolist(), answer, strict=True):
         codes[k] = int(code)
 

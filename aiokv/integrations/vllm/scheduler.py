@@ -28,7 +28,7 @@ from .metadata import AiokvConnectorMetadata, TransferSpec
 
 logger = logging.getLogger("aiokv.vllm")
 
-LOOKUP_LEASE_CACHES = 8  # the scheduler's lookups may hold leases on this many KV caches' worth of chunks
+LOOKUP_LEASE_CACHES = 2  # the scheduler's lookups may hold leases on this many KV caches' worth of chunks
 
 
 @dataclass
@@ -89,9 +89,9 @@ class SchedulerSide:
                 ],
                 chunk_tokens=self.chunk_tokens,
                 executor_threads=1,
-                # Not the default (the lookup layout is one scratch page). A prompt asked about again
-                # within a lease counts again: one KV cache's worth cut twelve concurrent requests asked
-                # twice to their shared prefix (test_vllm_concurrency.py); 8 caches' still bound it.
+                # Not the default (the lookup layout is one scratch page). Distinct chunks (a prompt
+                # asked about again costs nothing): the running requests' cache and as much again for
+                # those waiting to be scheduled.
                 lease_budgets=[
                     LeaseBudget(
                         max_bytes=LOOKUP_LEASE_CACHES * cache_blocks * group.num_layers * group.page_bytes
