@@ -92,6 +92,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--layers", type=int, default=MODEL_SHAPE["num_layers"], help="model layers (16)")
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (default 2)")
     parser.add_argument(
+        "--sliding-window",
+        type=int,
+        default=0,
+        help="a hybrid model instead: even layers attend over this many tokens, odd ones over everything "
+        "(vLLM's hybrid allocator on, one KV cache group per kind; default 0: every layer full)",
+    )
+    parser.add_argument(
         "--configs", default=",".join(CONFIGS), help=f"comma-separated subset of {', '.join(CONFIGS)}"
     )
     parser.add_argument(
@@ -254,6 +261,26 @@ def run_config(
         return result
 
 
+def model_layer_types(layers: int, sliding_window: int) -> tuple[str, ...] | None:
+    """Each layer's kind for ``--sliding-window`` (even layers windowed), or None for a plain Llama."""
+    if sliding_window <= 0:
+        return None
+    return tuple("sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers))
+
+
+def write_model(
+    path: Path, shape: dict[str, int], layer_types: tuple[str, ...] | None, args: argparse.Namespace
+) -> Path:
+    from aiokv.testing.tiny_model import write_tiny_llama, write_tiny_sliding_llama
+
+    if layer_types is None:
+        return write_tiny_llama(path, **shape, seed=args.seed)
+    llama = {name: size for name, size in shape.items() if name != "num_layers"}
+    return write_tiny_sliding_llama(
+        path, sliding_window=args.sliding_window, layer_types=layer_types, seed=args.seed, **llama
+    )
+
+
 # -- report ---------------------------------------------------------------------------------------
 
 
@@ -304,7 +331,11 @@ def main(argv: list[str] | None = None) -> int:
         configs = [c for c in configs if c not in AIOKV_CONFIGS]
 
     shape = dict(MODEL_SHAPE, num_layers=args.layers)
-    block_bytes = BLOCK_SIZE * shape["num_layers"] * 2 * shape["num_kv_heads"] * shape["head_dim"] * 2
+    layer_types = model_layer_types(args.layers, args.sliding_window)
+    # GB/s figures count the full-attention layers' blocks: a sliding-window layer keeps (and a hit
+    # loads) only the blocks of its window, a few per request whatever the prompt's length.
+    full_layers = layer_types.count("full_attention") if layer_types else shape["num_layers"]
+    block_bytes = BLOCK_SIZE * full_layers * 2 * shape["num_kv_heads"] * shape["head_dim"] * 2
     geometry = Geometry(BLOCK_SIZE, block_bytes)
     workload = build_workload(args)
     segment = max(512 << 20, 2 * stored_bytes_estimate(workload, block_bytes))
@@ -313,9 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             stack.enter_context(tempfile.TemporaryDirectory(prefix="aiokv-bench-vllm-"))
         )
         workdir.mkdir(parents=True, exist_ok=True)
-        from aiokv.testing.tiny_model import write_tiny_llama
-
-        model = write_tiny_llama(workdir / "model", **shape, seed=args.seed)
+        model = write_model(workdir / "model", shape, layer_types, args)
         reference = run_config(
             "recompute", workload, model, workdir, args, segment, tag="recompute", roles=("store",)
         )
@@ -363,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         "per_round": per_round,
     }
     summary["setup"] = {
-        "model": shape,
+        "model": shape | {"layer_types": layer_types, "sliding_window": args.sliding_window},
         "block_bytes": block_bytes,
         "args": vars(args) | {"json": None, "keep": None},
     }

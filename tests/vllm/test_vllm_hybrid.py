@@ -324,7 +324,9 @@ TINY_QWEN3_NEXT = {
 
 
 def test_linear_attention_models_are_refused_with_the_reason(tmp_path: Path) -> None:
-    """The engine does not start with the connector, and says why (the weights do not matter here)."""
+    """The engine does not start with the connector, and says why (the weights do not matter here): the
+    reason is the connector's, not vLLM's (without a connector this engine runs the model:
+    ``test_vllm_runs_the_linear_attention_model_without_the_connector``)."""
     require_vllm()
     model = tmp_path / "tiny-qwen3-next"
     model.mkdir()
@@ -341,3 +343,26 @@ def test_linear_attention_models_are_refused_with_the_reason(tmp_path: Path) -> 
     message = str(failed.value)
     assert "does not support linear-attention / Mamba layers" in message, message
     assert "MambaSpec" in message and "mamba_cache_mode='align'" in message, message
+    # The engine got as far as handing the connector its KV cache groups: vLLM accepted the model.
+    assert "vLLM runs this model kind" in message and "boundary_state_offloads" in message, message
+
+
+def test_vllm_runs_the_linear_attention_model_without_the_connector(tmp_path: Path) -> None:
+    """What makes the refusal above the connector's own: the same engine without a connector runs the
+    model (gated delta net on vLLM's CPU ops), and its own prefix cache reuses the state in
+    mamba_cache_mode "align" for the same prompt sent again."""
+    require_vllm()
+    model = tmp_path / "tiny-qwen3-next"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_QWEN3_NEXT))
+    prompt = tokens(65, 2000)
+    run = run_engine(
+        tmp_path,
+        "qwen3-next-alone",
+        model=model,
+        engine={"load_format": "dummy", "mamba_cache_mode": "align"},
+        steps=[generate("first", [prompt], logprobs=False), generate("again", [prompt], logprobs=False)],
+    )
+    assert only(run, "first")["cached"] == 0
+    assert only(run, "again")["cached"] >= 1024, only(run, "again")
+    assert len(only(run, "again")["tokens"]) == 8

@@ -119,9 +119,12 @@ def kv_geometry(kv_cache_config: Any) -> EngineGeometry:
             raise ValueError(
                 f"AiokvConnector does not support linear-attention / Mamba layers (KV cache group {index}: "
                 f"{type(spec).__name__}, mamba_cache_mode={getattr(spec, 'mamba_cache_mode', None)!r}, "
-                f"layers {', '.join(list(group.layer_names)[:2])}): it does not store or load recurrent "
-                "state; run this model without it (vLLM's own prefix cache reuses such states in 'align' "
-                "mode). Supported: full attention, MLA and sliding window; see docs/vllm.md"
+                f"layers {', '.join(list(group.layer_names)[:2])}). vLLM runs this model kind (its CPU "
+                "build too), but AiokvConnector does not yet store or load recurrent state: it would "
+                "have to take the states vLLM hands over at reusable boundaries in 'align' mode "
+                "(kv_connector_block_state.boundary_state_offloads) and load one at a hit's end. Run "
+                "this model without it (vLLM's own prefix cache reuses such states in 'align' mode). "
+                "Supported: full attention, MLA and sliding window; see docs/vllm.md"
             )
         # Exact types: a subclass (chunked local attention, sinks, ...) may change what a block means.
         if type(spec) not in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec):
