@@ -135,7 +135,7 @@ def wrapper_cpu_s(keys: int, regions: int, region_bytes: int, rounds: int) -> fl
         sizes = np.full((keys, regions), region_bytes, dtype=np.int64)
         names = [f"wrapper-cost/{k:08d}" for k in range(keys)]
         assert verified.batch_put(names, offsets + int(data.ctypes.data), sizes) == [0] * keys
-        inner.batch_get = timed_read  # type: ignore[method-assign]
+        inner.batch_get = timed_read  # type: ignore[method-assign,assignment]
         spent = []
         for _ in range(rounds):
             inner_cpu.clear()
