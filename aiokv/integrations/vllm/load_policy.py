@@ -4,9 +4,11 @@ The workers measure (:mod:`.load_meter`): every load's bytes and seconds, with t
 that were in flight ahead of it, and every forward's tokens and seconds. The measurements travel to
 the scheduler in the step's worker metadata; :class:`LoadPolicy` fits, per store, ``seconds = fixed +
 bytes * seconds_per_byte`` and, for the engine, ``seconds = overhead + tokens * seconds_per_token``,
-each an exponentially weighted least-squares fit with a short half-life (a sample that the fit
-predicts badly, the store having slowed down or recovered, drops the older ones: an old large sample
-would otherwise steer the line through a fresh small one).
+each an exponentially weighted least-squares fit (half-lives 2 s and 10 s). A load that the fit
+predicts badly (the store slowed down or recovered) drops the older samples: an old large sample would
+otherwise steer the line through a fresh small one. A forward is not trusted that far: one slowed by
+another process on a shared CPU is noise, not a slower engine, so it moves the fit as if it were at
+most 3x off.
 
 For a hit of ``N`` chunks the request waits for its load, then computes the rest of the prompt either
 way, so (both costs being linear in the chunks taken) the best prefix is all of the hit or none of it:
@@ -25,7 +27,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-HALF_LIFE_S = 2.0  # weight of a sample halves every this many seconds
+HALF_LIFE_S = 2.0  # weight of a load sample halves every this many seconds
+STEP_HALF_LIFE_S = 10.0  # of a forward's: the engine's speed drifts slowly, a forward's time is noisy
 SURPRISE = 3.0  # a sample this many times slower or faster than predicted: the older ones are dropped
 ALIKE = 0.25  # x values whose spread is below this share of their mean cannot separate fixed from slope
 STALE_S = 3.0  # a load estimate this old starts to fade; probes are allowed from then on
@@ -63,8 +66,9 @@ class Measurements:
 class LinearFit:
     """``y = intercept + x * slope`` by exponentially weighted least squares (time-based decay)."""
 
-    def __init__(self, half_life_s: float = HALF_LIFE_S) -> None:
+    def __init__(self, half_life_s: float = HALF_LIFE_S, *, forget_on_surprise: bool = True) -> None:
         self.half_life_s = half_life_s
+        self.forget_on_surprise = forget_on_surprise
         self._sums = [0.0] * 5  # weight, x, y, xx, xy
         self._at: float | None = None
         self._intercept = 0.0  # the last intercept a spread of x could tell (reused when it cannot)
@@ -74,8 +78,12 @@ class LinearFit:
         if x <= 0 or y < 0 or not math.isfinite(y):
             return
         self._decay(now)
-        if self._surprised_by(x, y):
-            self._sums = [0.0] * 5  # the store changed: only fresh evidence counts
+        expected = self._expected(x)
+        if expected is not None and not expected[0] / SURPRISE <= y <= expected[1] * SURPRISE:
+            if self.forget_on_surprise:
+                self._sums = [0.0] * 5  # the store changed: only fresh evidence counts
+            else:  # an outlier moves the fit by at most SURPRISE times the prediction
+                y = min(max(y, expected[0] / SURPRISE), expected[1] * SURPRISE)
         for index, value in enumerate((1.0, x, y, x * x, x * y)):
             self._sums[index] += value
         self.last_sample_at = now
@@ -86,20 +94,18 @@ class LinearFit:
             self._sums = [s * factor for s in self._sums]
         self._at = now if self._at is None else max(self._at, now)
 
-    def _surprised_by(self, x: float, y: float) -> bool:
-        """Whether ``y`` is far from what the fit predicts. A fit from sizes too alike cannot tell its
-        fixed part from its speed: then ``y`` must be far from anything between all-fixed and
-        all-proportional."""
+    def _expected(self, x: float) -> tuple[float, float] | None:
+        """What the fit expects at ``x``, as a range: a fit from sizes too alike cannot tell its fixed
+        part from its speed, so anything between all-fixed and all-proportional."""
         fit = self._fit()
         if fit is None:
-            return False
+            return None
         intercept, slope, spread = fit
         if spread:
-            low = high = intercept + x * slope
-        else:
-            mean_x, mean_y = self._sums[1] / self._sums[0], self._sums[2] / self._sums[0]
-            low, high = sorted((mean_y, mean_y * x / mean_x))
-        return y < low / SURPRISE or y > high * SURPRISE
+            return intercept + x * slope, intercept + x * slope
+        mean_x, mean_y = self._sums[1] / self._sums[0], self._sums[2] / self._sums[0]
+        low, high = sorted((mean_y, mean_y * x / mean_x))
+        return low, high
 
     def coefficients(self) -> tuple[float, float] | None:
         """(intercept, slope), or None before the first sample."""
@@ -155,7 +161,8 @@ class LoadPolicy:
     def __init__(self, source: str) -> None:
         self.source = source
         self.loads = LinearFit()
-        self.steps = LinearFit()
+        # A forward slowed by another process (a shared CPU) is not a slower engine: no forgetting.
+        self.steps = LinearFit(STEP_HALF_LIFE_S, forget_on_surprise=False)
         self._in_flight: dict[str, _InFlight] = {}
         self.counters: Counter[str] = Counter()
         self._reported: dict[str, int] = {}
