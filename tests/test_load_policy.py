@@ -10,6 +10,7 @@ import pytest
 from aiokv.integrations.vllm.load_meter import LoadMeter
 from aiokv.integrations.vllm.load_policy import (
     PROBE_BUDGET,
+    REASONS,
     STALE_S,
     LinearFit,
     LoadPolicy,
@@ -17,6 +18,7 @@ from aiokv.integrations.vllm.load_policy import (
     Measurements,
 )
 from aiokv.results import LoadResult
+from tests.vllm.support import require_vllm
 
 CHUNK_TOKENS = 128
 CHUNK_BYTES = 1 << 20  # 1 MiB per chunk
@@ -183,7 +185,7 @@ def test_the_meter_times_loads_with_the_bytes_ahead_of_them() -> None:
 
 
 def test_worker_metadata_merges_measurements_of_every_rank() -> None:
-    pytest.importorskip("vllm")
+    require_vllm()
     from aiokv.integrations.vllm.metadata import AiokvWorkerMetadata
 
     one = AiokvWorkerMetadata(measured=loads(1e9, sizes=(1,)))
@@ -195,7 +197,7 @@ def test_worker_metadata_merges_measurements_of_every_rank() -> None:
 
 
 def test_the_option_turns_it_off() -> None:
-    pytest.importorskip("vllm")
+    require_vllm()
     from aiokv.integrations.vllm.config import ConnectorConfig
 
     assert ConnectorConfig.from_extra_config({}).decline_slow_loads is True
@@ -211,3 +213,15 @@ def test_one_slow_forward_does_not_make_the_engine_slow() -> None:
     policy.observe(Measurements(steps=[(104, 0.9)]), 0.1)
     per_token = (policy.steps.coefficients() or (0.0, 0.0))[1]
     assert per_token < 2 / PREFILL_TOKENS_PER_S
+
+
+def test_every_counter_goes_to_prometheus() -> None:
+    require_vllm()
+    from aiokv.integrations.vllm.metrics import COUNTERS
+
+    policy = policy_with(loads(10e6))
+    for reason in REASONS:
+        policy.counters[f"declined_tokens_{reason}"] += 1
+    policy.count(policy.decide(16, CHUNK_TOKENS, CHUNK_BYTES, 100 * STALE_S), CHUNK_TOKENS, 16 * CHUNK_TOKENS)
+    assert "probe_loads" in policy.counters
+    assert set(policy.counters) <= set(COUNTERS)
