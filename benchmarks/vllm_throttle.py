@@ -6,7 +6,8 @@ A two-node world in network namespaces (:mod:`aiokv.testing.cluster`): node 0 ho
 node 1 runs the engines (pure clients, so every loaded byte crosses the link). The link into node 1 is
 throttled by a ``tbf`` qdisc on its bridge port, at each ``--rates`` in turn (``full``: none). Every
 engine first computes and stores the prompts at full speed; then, per rate, each engine asks each
-prompt once with vLLM's prefix cache cleared (a recompute engine computes it; the others hit the store).
+prompt once with vLLM's prefix cache cleared (a recompute engine computes it; the others hit the store),
+each prompt's requests back to back across the engines, in a turning order.
 Greedy tokens must equal the recompute's. Run as root or inside ``unshare -rn``:
 ``unshare -rn sh -c 'ip link set lo up && exec python -m benchmarks vllm-throttle'``.
 """
@@ -103,7 +104,9 @@ def _engine(spec_path: str) -> None:
         n = command["prompt"]
         if not command.get("keep_cache") and not llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache")
+        cpu = time.process_time()
         answer = ask(f"p{n}#{serial}", spec["prompts"][n])
+        answer["cpu_s"] = time.process_time() - cpu  # the engine's and aiokv's threads
         connector = scheduler.connector
         answer["policy"] = connector.stats().get("load_policy") if hasattr(connector, "stats") else None
         print("@@" + json.dumps(answer), flush=True)
@@ -199,13 +202,20 @@ def run(
                 first = [engines[name].ask(op="hit", prompt=n) for n in range(prompts)]
                 report["configs"][name] = {"stored": first, "rates": []}
                 if name == "recompute":  # vLLM's own prefix cache hits: the numerics' control pairs
-                    hits = [engines[name].ask(op="hit", prompt=n, keep_cache=True) for n in range(prompts)]
-                    report["configs"][name]["prefix_hits"] = hits
+                    report["configs"][name]["prefix_hits"] = [
+                        engines[name].ask(op="hit", prompt=n, keep_cache=True) for n in range(prompts)
+                    ]
                 print(f"{name}: started and stored in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+            names = list(engines)
             for rate in rates:
                 throttle(world, rate)
-                for name, engine in engines.items():
-                    hits = [engine.ask(op="hit", prompt=n) for n in range(prompts)]
+                by_name: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+                for n in range(prompts):
+                    # Each prompt's requests back to back, the order turning: a burst of load from
+                    # other processes on a shared machine falls on every configuration alike.
+                    for name in names[n % len(names) :] + names[: n % len(names)]:
+                        by_name[name].append(engines[name].ask(op="hit", prompt=n))
+                for name, hits in by_name.items():
                     report["configs"][name]["rates"].append(hits)
                     print(f"{name} at {rate or 'full'} Mbit/s: {_median(hits):.3f} s", file=sys.stderr)
         finally:
@@ -252,6 +262,7 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
                     "rate_mbit": rate,
                     "ttft_s_median": _median(hits),
                     "ttft_s": [round(hit["ttft_s"], 4) for hit in hits],
+                    "cpu_s_median": statistics.median(hit["cpu_s"] for hit in hits),
                     "cached_tokens": [hit["cached_tokens"] for hit in hits],
                     "policy": _declined(hits, before),
                     "estimates": (hits[-1].get("policy") or {}).get("estimates"),

@@ -31,7 +31,7 @@ HALF_LIFE_S = 2.0  # weight of a load sample halves every this many seconds
 STEP_HALF_LIFE_S = 10.0  # of a forward's: the engine's speed drifts slowly, a forward's time is noisy
 SURPRISE = 3.0  # a sample this many times slower or faster than predicted: the older ones are dropped
 ALIKE = 0.25  # x values whose spread is below this share of their mean cannot separate fixed from slope
-STALE_S = 3.0  # a load estimate this old starts to fade; probes are allowed from then on
+STALE_S = 5.0  # a load estimate this old starts to fade; probes are allowed from then on
 PROBE_BUDGET = 0.1  # a probe may cost its request this share of its recompute time (expected)
 MIN_STEP_TOKENS = 32  # forwards of fewer tokens are decode steps: not a prefill measurement
 
