@@ -10,6 +10,7 @@ import pytest
 from aiokv.integrations.vllm.load_meter import LoadMeter
 from aiokv.integrations.vllm.load_policy import (
     PROBE_BUDGET,
+    PROBE_EVERY,
     REASONS,
     STALE_S,
     LinearFit,
@@ -104,6 +105,7 @@ def test_the_estimate_follows_a_slowdown_and_a_recovery_within_seconds() -> None
     while probed is None and now < 60:
         now += 0.5
         decision = policy.decide(16, CHUNK_TOKENS, CHUNK_BYTES, now)
+        policy.count(decision, CHUNK_TOKENS, 16 * CHUNK_TOKENS)
         if decision.probe:
             probed = now
             assert decision.chunks == 1
@@ -118,9 +120,16 @@ def test_a_probe_is_bounded_by_its_budget_and_one_at_a_time() -> None:
     late = 100 * STALE_S  # long faded
     decision = policy.decide(16, CHUNK_TOKENS, CHUNK_BYTES, late)
     assert decision.probe and decision.chunks == 1
+    policy.count(decision, CHUNK_TOKENS, 16 * CHUNK_TOKENS)
     policy.load_started("probe", CHUNK_BYTES, late)
     assert decide(policy, now=late) == (0, "slow_store")  # one probe in flight: no second
     policy.load_ended("probe")
+    # The probe told nothing new (no sample here): the next ones wait for PROBE_EVERY declines.
+    for _ in range(PROBE_EVERY):
+        declined = policy.decide(16, CHUNK_TOKENS, CHUNK_BYTES, late)
+        assert not declined.probe and declined.chunks == 0
+        policy.count(declined, CHUNK_TOKENS, 16 * CHUNK_TOKENS)
+    assert policy.decide(16, CHUNK_TOKENS, CHUNK_BYTES, late).probe
     # A short hit cannot pay for a probe on the faded estimate's budget at a recent staleness.
     fresh = policy_with(loads(10e6))
     just_stale = STALE_S + 0.1

@@ -18,7 +18,9 @@ than the fit said raises the estimate at once (the store is at least that slow).
 every hit is taken (as without the policy). While hits are declined no load measures the store: once
 the estimate is ``STALE_S`` old its slowness is halved every ``STALE_S`` (belief without evidence
 fades), and a request may then load its first chunk as a probe if that costs it at most
-``PROBE_BUDGET`` of its recompute time by the faded estimate.
+``PROBE_BUDGET`` of its recompute time by the faded estimate, at most one request in ``PROBE_EVERY``
+declined ones (the faded estimate is optimistic by design: a probe of a store still slow costs its
+request more than the budget).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ SURPRISE = 3.0  # a sample this many times slower or faster than predicted: the 
 ALIKE = 0.25  # x values whose spread is below this share of their mean cannot separate fixed from slope
 STALE_S = 5.0  # a load estimate this old starts to fade; probes are allowed from then on
 PROBE_BUDGET = 0.1  # a probe may cost its request this share of its recompute time (expected)
+PROBE_EVERY = 8  # at most one probe per this many declined requests (bounds what probing costs in all)
 MIN_STEP_TOKENS = 32  # forwards of fewer tokens are decode steps: not a prefill measurement
 
 REASONS = ("slow_store", "queued_loads", "fixed_cost")
@@ -166,6 +169,7 @@ class LoadPolicy:
         self._in_flight: dict[str, _InFlight] = {}
         self.counters: Counter[str] = Counter()
         self._reported: dict[str, int] = {}
+        self._declined_since_probe = PROBE_EVERY  # the first stale decline may probe
 
     # -- measurements ---------------------------------------------------------------------------
 
@@ -226,7 +230,11 @@ class LoadPolicy:
             reason = "queued_loads"
         else:
             reason = "fixed_cost"
-        if faded is not None and load_s(1, 0, faded) - chunk_tokens * per_token <= PROBE_BUDGET * recompute_s:
+        if (
+            faded is not None
+            and self._declined_since_probe >= PROBE_EVERY
+            and load_s(1, 0, faded) - chunk_tokens * per_token <= PROBE_BUDGET * recompute_s
+        ):
             return Decision(1, reason, whole.load_s, recompute_s, probe=True)
         return Decision(0, reason, whole.load_s, recompute_s)
 
@@ -235,6 +243,10 @@ class LoadPolicy:
         declined."""
         declined = max(0, hit_tokens - decision.chunks * chunk_tokens)
         self.counters["probe_loads"] += decision.probe
+        if decision.probe:
+            self._declined_since_probe = 0
+        elif decision.reason is not None:
+            self._declined_since_probe += 1
         if declined and decision.reason is not None:
             self.counters["declined_requests"] += 1
             self.counters["declined_tokens"] += declined
