@@ -45,11 +45,14 @@ def test_a_slow_hit_is_declined_and_a_fast_one_taken() -> None:
 
     # Throttled: the first request may still load (the estimate is from full speed; a load already
     # submitted is never revoked), and its load shows how slow the store now is; every later one is
-    # declined for the store's speed and computes its prompt whole.
+    # declined for the store's speed and computes its prompt whole (or all but one chunk, if the
+    # machine was slow enough between requests for the estimate to go stale and a probe to load it).
     declined = slow["policy"]
+    probes = declined.get("probe_loads", 0)
     assert declined.get("declined_requests", 0) >= PROMPTS - 1, declined
-    assert declined.get("declined_tokens_slow_store", 0) >= (PROMPTS - 1) * hit, declined
-    assert slow["cached_tokens"][1:] == [0] * (PROMPTS - 1), slow
+    assert declined.get("declined_tokens_slow_store", 0) >= (PROMPTS - 1) * hit - probes * BLOCK, declined
+    assert all(cached in (0, BLOCK) for cached in slow["cached_tokens"][1:]), slow
+    assert slow["cached_tokens"][1:].count(BLOCK) == probes <= 1, slow
     estimates = slow["estimates"]
     assert estimates["load_bytes_per_s"] < SLOW_MBIT * 1e6 / 8 * 1.5, estimates  # the throttle, learnt
 
