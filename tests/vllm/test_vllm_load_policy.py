@@ -47,6 +47,7 @@ def test_a_slow_hit_is_declined_and_a_fast_one_taken() -> None:
     # submitted is never revoked), and its load shows how slow the store now is; every later one is
     # declined for the store's speed and computes its prompt whole (or all but one chunk, if the
     # machine was slow enough between requests for the estimate to go stale and a probe to load it).
+    assert slow["cached_tokens"][0] == hit, slow  # taken on the full-speed estimate, landed whole
     declined = slow["policy"]
     probes = declined.get("probe_loads", 0)
     assert declined.get("declined_requests", 0) >= PROMPTS - 1, declined
