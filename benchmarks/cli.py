@@ -53,6 +53,10 @@ SUITES = {
     "layouts-xproc": ("benchmarks.layouts_xproc", "prefill -> decode across processes on Mooncake"),
     "vllm": ("benchmarks.vllm", "AiokvConnector vs vLLM's MooncakeStoreConnector on real engines"),
     "vllm-tier": ("benchmarks.vllm_tier", "TTFT of a host-tier hit against the same hit from Mooncake"),
+    "vllm-throttle": (
+        "benchmarks.vllm_throttle",
+        "TTFT of a hit across link rates: declining slow hits vs loading them vs recompute",
+    ),
     "cluster": ("benchmarks.cluster", "cross-node GB/s (worker vs direct) and recovery times in namespaces"),
     "scale": ("benchmarks.scale", "loop stalls finishing 10,000 requests and a 62,500-key prompt"),
     "handoff": ("benchmarks.handoff", "an engine thread's cost to submit a step: store() vs store_many()"),

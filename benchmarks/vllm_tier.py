@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,13 +80,22 @@ def _engine(spec_path: str) -> None:
         print("@@" + json.dumps(answer), flush=True)
 
 
-class _Engine:
-    """A running engine process (:func:`_engine`); its other output goes to ``log``."""
+class EngineProcess:
+    """A running engine process (:func:`_engine` of ``module``); its other output goes to ``log``.
+    ``popen``: how to start it (another network namespace's, say)."""
 
-    def __init__(self, spec_path: Path, env: dict[str, str], log: Path) -> None:
+    def __init__(
+        self,
+        spec_path: Path,
+        env: dict[str, str],
+        log: Path,
+        *,
+        module: str = "benchmarks.vllm_tier",
+        popen: Callable[..., subprocess.Popen[str]] = subprocess.Popen,
+    ) -> None:
         self._log = log.open("w")
-        command = [sys.executable, "-m", "benchmarks.vllm_tier", "--engine", str(spec_path)]
-        self._process = subprocess.Popen(
+        command = [sys.executable, "-m", module, "--engine", str(spec_path)]
+        self._process = popen(
             command,
             env=env,
             stdin=subprocess.PIPE,
@@ -154,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         plain = {"chunk_blocks": args.chunk_blocks}  # Mooncake alone
 
-        def start(role: str, extra: dict[str, Any]) -> _Engine:
+        def start(role: str, extra: dict[str, Any]) -> EngineProcess:
             spec = {
                 "model": str(model),
                 "max_model_len": args.tokens + 64,
@@ -163,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             spec_path = workdir / f"{role}.spec.json"
             spec_path.write_text(json.dumps(spec))
-            return _Engine(spec_path, engine_env(None, 2), workdir / f"{role}.log")
+            return EngineProcess(spec_path, engine_env(None, 2), workdir / f"{role}.log")
 
         started = time.perf_counter()
         storing = start("store", tiered)

@@ -132,6 +132,11 @@ class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         self._work().handle_preemptions(_meta(kv_connector_metadata))
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and self._worker.meter is not None:
+            self._worker.meter.forward_begins()  # vLLM binds the metadata just before the forward
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._work().start_load_kv(_meta(self._get_connector_metadata()))
 
@@ -162,10 +167,12 @@ class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
         return self._work().get_block_ids_with_load_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        """The host tier's writes since the last step, for the scheduler's index (host_tier.py)."""
-        tier = self._work().tier
-        report = tier.report() if tier is not None else None
-        return AiokvWorkerMetadata(report) if report is not None else None
+        """The host tier's writes since the last step, for the scheduler's index (host_tier.py), and
+        the load policy's measurements (load_policy.py)."""
+        worker = self._work()
+        report = worker.tier.report() if worker.tier is not None else None
+        measured = worker.meter.take() if worker.meter is not None else None
+        return AiokvWorkerMetadata(report, measured) if report is not None or measured else None
 
     def flush(self, timeout: float | None = None) -> bool:
         """Worker side: wait until every store submitted so far is in the store (or failed).
@@ -175,10 +182,16 @@ class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
 
     def stats(self) -> dict[str, Any]:
         """Worker side: the connector's events (``stores_submitted``, ``loads_submitted``,
-        ``preemptions_waited``, ``load_error_blocks``) and aiokv's worker counters."""
+        ``preemptions_waited``, ``load_error_blocks``) and aiokv's worker counters. Scheduler side: the
+        load policy's counters (hit tokens declined, and why) and estimates."""
+        if self._scheduler is not None:
+            return self._scheduler.stats()
         return self._work().stats()
 
     def get_kv_connector_stats(self) -> AiokvConnectorStats | None:
+        if self._scheduler is not None:
+            delta = self._scheduler.stats_delta()
+            return AiokvConnectorStats(data=delta) if delta else None
         if self._worker is None:
             return None
         delta = self._worker.stats_delta()

@@ -35,6 +35,11 @@ class KVGeometry:
         return len(self.layer_names)
 
     @property
+    def block_bytes(self) -> int:
+        """The bytes of one block, over every layer of the group (what a key of one block holds)."""
+        return self.num_layers * self.page_bytes
+
+    @property
     def kind(self) -> str:
         if self.sliding_window is not None:
             return f"swa{self.sliding_window}"

@@ -8,6 +8,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from ...keys import HashedPrompt
 from .host_tier import TierReport, TierStep
+from .load_policy import Measurements
 
 
 @dataclass(frozen=True)
@@ -39,15 +40,24 @@ class AiokvConnectorMetadata(KVConnectorMetadata):
     idle: bool = False
     # The host tier's orders for this step (see host_tier.py), applied before its transfers.
     tier: TierStep | None = None
+    scheduled_tokens: int = 0  # this step's forward computes this many tokens (timed: load_meter.py)
 
 
 @dataclass
 class AiokvWorkerMetadata(KVConnectorWorkerMetadata):
-    """What the workers tell the scheduler-side connector each step: the host tier's writes."""
+    """What the workers tell the scheduler-side connector each step: the host tier's writes, and the
+    load policy's measurements (load_policy.py)."""
 
-    tier: TierReport
+    tier: TierReport | None = None
+    measured: Measurements | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, AiokvWorkerMetadata):
             raise TypeError(f"cannot merge AiokvWorkerMetadata with {type(other).__name__}")
-        return AiokvWorkerMetadata(self.tier.merge(other.tier))
+        tier = self.tier.merge(other.tier) if self.tier and other.tier else (self.tier or other.tier)
+        measured = (
+            self.measured.merge(other.measured)
+            if self.measured and other.measured
+            else (self.measured or other.measured)
+        )
+        return AiokvWorkerMetadata(tier, measured)

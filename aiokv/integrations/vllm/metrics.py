@@ -24,6 +24,12 @@ COUNTERS = {
     "host_tier_evictions": "Chunks dropped from the host-memory tier to make room",
     "host_tier_promotions": "Chunks loaded from the store behind the host tier and written into it",
     "chunks_verify_failed": "Chunks read whole whose checksum, key or fingerprint did not match (recomputed)",
+    "declined_requests": "Requests whose hit was (partly) not loaded: recomputing was expected to be faster",
+    "declined_tokens": "Hit tokens recomputed instead of loaded (all reasons)",
+    "declined_tokens_slow_store": "Hit tokens declined: the store loads slower than the engine prefills",
+    "declined_tokens_queued_loads": "Hit tokens declined: loads queued ahead would make this one late",
+    "declined_tokens_fixed_cost": "Hit tokens declined: a hit too short to pay a load's fixed cost",
+    "probe_loads": "Loads of one chunk taken to measure a store whose hits were being declined",
 }
 
 

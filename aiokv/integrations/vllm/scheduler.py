@@ -24,6 +24,7 @@ from .geometry import EngineGeometry, usable_from
 from .group_workers import GroupWorkers
 from .host_tier import LookupClient, scheduler_tier
 from .keys import hashed_prompt, key_namespace
+from .load_policy import Decision, LoadPolicy
 from .metadata import AiokvConnectorMetadata, TransferSpec
 
 logger = logging.getLogger("aiokv.vllm")
@@ -48,6 +49,7 @@ class _Hit:
     prompt: HashedPrompt  # the whole chunks found, from token 0
     tokens: int  # the hit told to vLLM, counted from token 0
     local: int = 0  # the local prefix-cache hit vLLM told us (where the load starts)
+    decision: Decision | None = None  # the load policy's, if it is on
 
 
 class SchedulerSide:
@@ -93,9 +95,7 @@ class SchedulerSide:
                 # asked about again costs nothing): the running requests' cache and as much again for
                 # those waiting to be scheduled.
                 lease_budgets=[
-                    LeaseBudget(
-                        max_bytes=LOOKUP_LEASE_CACHES * cache_blocks * group.num_layers * group.page_bytes
-                    )
+                    LeaseBudget(max_bytes=LOOKUP_LEASE_CACHES * cache_blocks * group.block_bytes)
                     for group in geometry.groups
                 ],
             )
@@ -118,6 +118,9 @@ class SchedulerSide:
         self._prompts: dict[str, HashedPrompt] = {}
         self._stored_chunks: dict[str, int] = {}
         self._with_stores: set[str] = set()
+        # Load only what beats recomputing (load_policy.py); None: every hit is loaded.
+        self._policy = LoadPolicy(config.backend) if config.decline_slow_loads and self._clients else None
+        self._chunk_bytes = config.chunk_blocks * sum(g.block_bytes for g in geometry.groups)
 
     # -- lookups --------------------------------------------------------------------------------
 
@@ -136,7 +139,14 @@ class SchedulerSide:
         if hit.tokens <= num_computed_tokens:
             return 0, False
         hit.local = num_computed_tokens
-        return hit.tokens - num_computed_tokens, self.config.load_async
+        tokens = hit.tokens - num_computed_tokens
+        if self._policy is not None:
+            chunks = -(-tokens // self.chunk_tokens)
+            hit.decision = self._policy.decide(chunks, self.chunk_tokens, self._chunk_bytes, time.monotonic())
+            tokens = min(tokens, hit.decision.chunks * self.chunk_tokens)
+            if not tokens:
+                return 0, False
+        return tokens, self.config.load_async
 
     def _lookup_answer(self, request: Any) -> _Hit | None:
         """The hit once the lookup answered (a miss if it failed or is late), else None."""
@@ -227,6 +237,8 @@ class SchedulerSide:
         req_id = request.request_id
         self._requests[req_id] = request
         hit = self._hits.pop(req_id, None)
+        if self._policy is not None and hit is not None and hit.decision is not None:
+            self._policy.count(hit.decision, self.chunk_tokens, hit.tokens - hit.local)
         if num_external_tokens <= 0 or hit is None:
             return
         spec = self._load_spec(req_id, hit, blocks.get_block_ids(), num_external_tokens)
@@ -236,6 +248,9 @@ class SchedulerSide:
             self._tier.on_load(req_id, spec.prompt, asynchronous=self.config.load_async)
         if self.config.load_async:
             self._loading.add(req_id)
+            if self._policy is not None:
+                nbytes = len(spec.prompt.hashes) * self._chunk_bytes
+                self._policy.load_started(req_id, nbytes, time.monotonic())
         # Loaded chunks are not marked stored: if the load fails they are recomputed, and the store
         # that follows writes them again (chunks the store has are skipped by one existence check).
 
@@ -283,6 +298,7 @@ class SchedulerSide:
             loads=self._loads,
             sync_loads=not self.config.load_async,
             idle=not scheduler_output.total_num_scheduled_tokens,
+            scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
         )
         self._loads = []
         meta.preempted = set(scheduler_output.preempted_req_ids or ())
@@ -359,8 +375,13 @@ class SchedulerSide:
         for req_id in connector_output.finished_recving or ():
             self._loading.discard(req_id)
             self._load_blocks.pop(req_id, None)
+        worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if self._policy is not None:
+            for req_id in (*(connector_output.finished_recving or ()), *failed):
+                self._policy.load_ended(req_id)
+            if measured := getattr(worker_meta, "measured", None):
+                self._policy.observe(measured, time.monotonic())
         if self._tier is not None:
-            worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
             self._tier.on_output(getattr(worker_meta, "tier", None), connector_output.finished_recving or ())
 
     def request_finished(self, request: Any) -> bool:
@@ -377,6 +398,8 @@ class SchedulerSide:
         ):
             table.pop(req_id, None)  # type: ignore[attr-defined]
         self._load_failed.discard(req_id)
+        if self._policy is not None:
+            self._policy.load_ended(req_id)
         loading = req_id in self._loading
         self._loading.discard(req_id)
         if self._tier is not None and not loading:
@@ -384,6 +407,14 @@ class SchedulerSide:
         stored = req_id in self._with_stores
         self._with_stores.discard(req_id)
         return loading or stored
+
+    def stats(self) -> dict[str, Any]:
+        """The load policy's counters (hit tokens declined, and why) and current estimates."""
+        return {"load_policy": self._policy.report(time.monotonic()) if self._policy is not None else None}
+
+    def stats_delta(self) -> dict[str, int] | None:
+        """The load policy's counters since the last report (vLLM's stats hook), or None."""
+        return self._policy.counters_delta() if self._policy is not None else None
 
     def shutdown(self) -> None:
         for lookup in self._lookups.values():

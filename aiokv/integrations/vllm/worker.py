@@ -29,6 +29,7 @@ from .config import ConnectorConfig
 from .geometry import EngineGeometry, engine_layout
 from .group_workers import GroupWorkers
 from .keys import key_namespace, value_fingerprint
+from .load_meter import LoadMeter
 from .metadata import AiokvConnectorMetadata, TransferSpec
 from .stats_reporter import StatsReporter
 from .tier_worker import TierWorker, open_tier_worker
@@ -108,6 +109,8 @@ class WorkerSide:
         # This rank's host tier (single-group engines: the connector refuses it on hybrid ones); it
         # then moves the group's chunks, in front of the store's worker if any.
         self.tier: TierWorker | None = None
+        # The load policy's measurements (load_policy.py), reported to the scheduler each step.
+        self.meter: LoadMeter | None = None
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         layouts = [engine_layout(kv_caches, group) for group in self.geometry.groups]
@@ -143,6 +146,12 @@ class WorkerSide:
             self._release_backend()
             return
         self._stats = [StatsReporter(worker, _STATS_INTERVAL_S) for worker in self._workers]
+        if self.config.decline_slow_loads:
+            self.meter = LoadMeter(
+                self.config.backend,
+                [group.block_bytes * self.config.chunk_blocks for group in self.geometry.groups],
+                on_cuda=self._on_cuda,
+            )
         at_exit(self.shutdown)
         for group, layout in zip(self.geometry.groups, layouts, strict=True):
             logger.info(
@@ -190,12 +199,20 @@ class WorkerSide:
         for spec in meta.loads:
             self._loads[spec.req_id] = (futures.get(spec.req_id), spec)
             self.events["loads_submitted"] += 1
-        if meta.sync_loads:
+            if self.meter is not None and (submitted := futures.get(spec.req_id)):
+                groups = [group for group, ids in enumerate(spec.block_ids) if ids]
+                requested = sum(len(spec.block_ids[g]) * self.geometry.groups[g].block_bytes for g in groups)
+                self.meter.load_submitted(submitted, groups, requested)
+        if meta.sync_loads and meta.loads:
             # The forward reads these blocks in this step.
             for spec in meta.loads:
                 self._finish_load(spec.req_id, wait=True)
+            if self.meter is not None:
+                self.meter.sync_loads_done()  # the forward starts after them
 
     def wait_for_save(self, meta: AiokvConnectorMetadata) -> None:
+        if self.meter is not None:
+            self.meter.forward_ended(meta.scheduled_tokens)
         if not meta.stores:
             return
         if self._on_cuda:
