@@ -129,6 +129,9 @@ def ours_jittered(
             "backend": "tests.vllm.support:jittered_gets_mooncake",
             "mooncake_config": str(world["mooncake_config"]),
             "load_async": request.param == "async",
+            # A store this slow is one the load policy rightly declines: what is tested here is
+            # that every get it does take lands right, so every hit is loaded.
+            "decline_slow_loads": False,
         }
     )
     env = {**MOONCAKE_ENV, "AIOKV_TEST_JITTER_SEED": "7"}
