@@ -209,7 +209,8 @@ def test_the_option_turns_it_off() -> None:
     require_vllm()
     from aiokv.integrations.vllm.config import ConnectorConfig
 
-    assert ConnectorConfig.from_extra_config({}).decline_slow_loads is True
+    assert ConnectorConfig.from_extra_config({}).decline_slow_loads is False
+    assert ConnectorConfig.from_extra_config({"decline_slow_loads": True}).decline_slow_loads is True
     assert ConnectorConfig.from_extra_config({"decline_slow_loads": False}).decline_slow_loads is False
     with pytest.raises(ValueError, match="decline_slow_loads"):
         ConnectorConfig.from_extra_config({"decline_slow_loads": "sometimes"})

@@ -90,7 +90,7 @@ class ConnectorConfig:
     setup_retries: int = 2
     executor_threads: int = 1
     verify_values: bool = True
-    decline_slow_loads: bool = True
+    decline_slow_loads: bool = False
 
     @property
     def host_tier(self) -> bool:
@@ -176,7 +176,7 @@ class ConnectorConfig:
             setup_retries=_positive(extra, "setup_retries", 2, integer=True),
             executor_threads=_positive(extra, "executor_threads", 1, integer=True),
             verify_values=key_format == "aiokv" and _bool(extra, "verify_values", True),
-            decline_slow_loads=_bool(extra, "decline_slow_loads", True),
+            decline_slow_loads=_bool(extra, "decline_slow_loads", False),
         )
 
 
