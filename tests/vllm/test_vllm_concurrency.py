@@ -90,24 +90,21 @@ def tolerance(reference: dict[str, Any], theirs: dict[str, Any]) -> float:
     return greedy_tolerance(controls)
 
 
+def run_step(
+    world: dict[str, Any], name: str, kv: dict[str, Any], env: dict[str, str], steps: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """One engine of the scenario (its own process) running ``steps``."""
+    return run_engine(
+        world["root"], name, model=world["model"], engine=ENGINE, env=env, kv_transfer_config=kv, steps=steps
+    )
+
+
 def store_then_load(
     world: dict[str, Any], name: str, kv: dict[str, Any], env: dict[str, str]
 ) -> dict[str, Any]:
-    def engine(role: str, steps: list[dict[str, Any]]) -> dict[str, Any]:
-        return run_engine(
-            world["root"],
-            f"{name}_{role}",
-            model=world["model"],
-            engine=ENGINE,
-            env=env,
-            kv_transfer_config=kv,
-            steps=steps,
-        )
-
-    storer = engine(
-        "stores", [generate("twelve", TWELVE, max_tokens=MAX_TOKENS), {"op": "sleep", "seconds": 4}]
-    )
-    loader = engine("loads", LOADER_STEPS)
+    stores = [generate("twelve", TWELVE, max_tokens=MAX_TOKENS), {"op": "sleep", "seconds": 4}]
+    storer = run_step(world, f"{name}_stores", kv, env, stores)
+    loader = run_step(world, f"{name}_loads", kv, env, LOADER_STEPS)
     return {"storer": storer, "loader": loader}
 
 
@@ -135,15 +132,7 @@ def ours_jittered(
         }
     )
     env = {**MOONCAKE_ENV, "AIOKV_TEST_JITTER_SEED": "7"}
-    return run_engine(
-        world["root"],
-        f"aiokv_jittered_{request.param}",
-        model=world["model"],
-        engine=ENGINE,
-        env=env,
-        kv_transfer_config=kv,
-        steps=LOADER_STEPS,
-    )
+    return run_step(world, f"aiokv_jittered_{request.param}", kv, env, LOADER_STEPS)
 
 
 @pytest.fixture(scope="module")
