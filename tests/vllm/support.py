@@ -380,19 +380,38 @@ PARALLEL_ENV = {
 }
 
 
-class FailingGets:
-    """A backend wrapper whose gets fail (``TRANSFER_FAILED``) while their keys stay listed: a key the
-    store lists but cannot serve (e.g. a value of another size under the same key). Every get, or with
-    ``only_keys_containing`` only the gets of keys containing it (one KV cache group's, say)."""
+class _GetsWrapper:
+    """A backend wrapper whose every get, a plain one or aiokv's read of another replica (Mooncake's
+    backend: a failed get read again there), goes through :meth:`_get`; anything else is the inner
+    backend's."""
 
-    def __init__(self, inner: Any, only_keys_containing: str | None = None) -> None:
+    def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.only_keys_containing = only_keys_containing
 
     def batch_get(self, keys: Any, addrs: Any, sizes: Any) -> list[int]:
-        return self._failing(self.inner.batch_get, keys, addrs, sizes)
+        return self._get(self.inner.batch_get, keys, addrs, sizes)
 
-    def _failing(self, get: Any, keys: Any, addrs: Any, sizes: Any) -> list[int]:
+    def _get(self, get: Any, keys: Any, addrs: Any, sizes: Any) -> list[int]:
+        raise NotImplementedError
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.inner, name)
+        if name == "read_from_replicas":
+            return functools.partial(self._get, method)
+        return method
+
+
+class FailingGets(_GetsWrapper):
+    """A backend wrapper whose gets fail (``TRANSFER_FAILED``) while their keys stay listed: a key the
+    store lists but cannot serve (e.g. a value of another size under the same key). Every get, or with
+    ``only_keys_containing`` only the gets of keys containing it (one KV cache group's, say); a replica
+    read of those keys fails too, or the retry would read their real values."""
+
+    def __init__(self, inner: Any, only_keys_containing: str | None = None) -> None:
+        super().__init__(inner)
+        self.only_keys_containing = only_keys_containing
+
+    def _get(self, get: Any, keys: Any, addrs: Any, sizes: Any) -> list[int]:
         from aiokv import Code
 
         marker = self.only_keys_containing
@@ -404,16 +423,8 @@ class FailingGets:
                 codes[index] = code
         return codes
 
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self.inner, name)
-        if name == "read_from_replicas":
-            # aiokv's core reads a failed get again from another replica (Mooncake's backend): the
-            # failing keys must fail there too, or the retry reads their real values.
-            return functools.partial(self._failing, method)
-        return method
 
-
-class JitteredGets:
+class JitteredGets(_GetsWrapper):
     """A backend wrapper holding each get call back a random while (none, 50 ms or 300 ms, drawn per
     call): a request's gets finish out of order and many engine steps after the step that asked for
     them, so a load reported finished before its last get wrote the blocks, or a get whose bytes land
@@ -424,30 +435,18 @@ class JitteredGets:
     def __init__(self, inner: Any, seed: int) -> None:
         import random
 
-        self.inner = inner
+        super().__init__(inner)
         self._random = random.Random(seed)
         self._lock = threading.Lock()  # gets run on several transfer threads
 
-    def _hold(self) -> None:
+    def _get(self, get: Any, keys: Any, addrs: Any, sizes: Any) -> list[int]:
         import time
 
         with self._lock:
             delay = self._random.choice(self.DELAYS_S)
         time.sleep(delay)
-
-    def batch_get(self, keys: Any, addrs: Any, sizes: Any) -> list[int]:
-        return self._held(self.inner.batch_get, keys, addrs, sizes)
-
-    def _held(self, get: Any, keys: Any, addrs: Any, sizes: Any) -> list[int]:
-        self._hold()
         codes: list[int] = get(keys, addrs, sizes)
         return codes
-
-    def __getattr__(self, name: str) -> Any:
-        method = getattr(self.inner, name)
-        if name == "read_from_replicas":
-            return functools.partial(self._held, method)
-        return method
 
 
 def jittered_gets_mooncake(config: Any, *, pure_client: bool) -> Any:
