@@ -146,8 +146,16 @@ def runs(world: dict[str, Any], reference: dict[str, Any], mooncake_backend: Any
         backend="tests.vllm.support:failing_group_gets_mooncake",
         env={"AIOKV_TEST_FAIL_KEYS_WITH": SWA_KEYS},
     )
+    # With the hybrid allocator off, one group holds the windowed and the global layer; vLLM 0.32's CPU
+    # attention then plans split-KV decode without the window, and with one OpenMP thread layer 0's
+    # decode reads only masked partitions: NaN, greedy token 0 from the second token on, with or
+    # without a connector (docs/vllm.md). Split-KV off keeps that vLLM bug out of what F tests.
     out["F"] = with_connector(
-        world, "F", [generate("p", [PROMPT])], engine={"disable_hybrid_kv_cache_manager": True}
+        world,
+        "F",
+        [generate("p", [PROMPT])],
+        engine={"disable_hybrid_kv_cache_manager": True},
+        env={"VLLM_CPU_ATTN_SPLIT_KV": "0"},
     )
     return out
 
