@@ -94,6 +94,9 @@ def main(job_path: str, out_path: str) -> None:
             results[step.get("name", "evict")] = llm.reset_prefix_cache()
         elif op == "stats":
             results[step.get("name", "stats")] = _connector_stats()
+        elif op == "scheduler_stats":  # the scheduler's connector: an object of this in-process engine
+            connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+            results[step.get("name", "scheduler_stats")] = connector.stats()
         elif op == "kill":
             os.kill(step["pid"], signal.SIGKILL)
         elif op == "sleep":

@@ -428,9 +428,12 @@ class JitteredGets(_GetsWrapper):
     """A backend wrapper holding each get call back a random while (none, 50 ms or 300 ms, drawn per
     call): a request's gets finish out of order and many engine steps after the step that asked for
     them, so a load reported finished before its last get wrote the blocks, or a get whose bytes land
-    in another request's blocks, changes outputs on any CPU, whatever its timing there."""
+    in another request's blocks, changes outputs on any CPU, whatever its timing there. Every
+    existence check waits 100 ms too: longer than the scheduler's first wait for a lookup
+    (``lookup_wait_s``, 20 ms), so requests are answered "ask again" and take their hit steps later."""
 
     DELAYS_S = (0.0, 0.05, 0.3)
+    EXISTS_DELAY_S = 0.1
 
     def __init__(self, inner: Any, seed: int) -> None:
         import random
@@ -447,6 +450,13 @@ class JitteredGets(_GetsWrapper):
         time.sleep(delay)
         codes: list[int] = get(keys, addrs, sizes)
         return codes
+
+    def batch_exists(self, keys: Any) -> list[bool]:
+        import time
+
+        time.sleep(self.EXISTS_DELAY_S)
+        found: list[bool] = self.inner.batch_exists(keys)
+        return found
 
 
 def jittered_gets_mooncake(config: Any, *, pure_client: bool) -> Any:

@@ -132,7 +132,8 @@ def ours_jittered(
         }
     )
     env = {**MOONCAKE_ENV, "AIOKV_TEST_JITTER_SEED": "7"}
-    return run_step(world, f"aiokv_jittered_{request.param}", kv, env, LOADER_STEPS)
+    steps = [*LOADER_STEPS, {"op": "scheduler_stats"}]
+    return run_step(world, f"aiokv_jittered_{request.param}", kv, env, steps)
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +178,11 @@ def test_gets_landing_late_and_out_of_order_give_the_reference_tokens(
     for i, (prompt, got) in enumerate(zip(prompts_of(step), outputs, strict=True)):
         assert got["cached"] == full_blocks(prompt), (step, i, got["cached"])
         assert_same_greedy(got, reference["alone"][tuple(prompt)], tolerance, f"jittered {step}[{i}]")
+
+
+def test_lookups_answered_late_are_asked_again_and_take_the_whole_hit(ours_jittered: dict[str, Any]) -> None:
+    """Every existence check of the jittered loader outlasts the scheduler's first wait: its requests
+    were answered "ask again" (counted), and the test above shows each then hit every full block with
+    the reference's tokens."""
+    deferred = ours_jittered["scheduler_stats"]["counters"].get("lookups_deferred", 0)
+    assert deferred >= len(LOADER_STEPS), ours_jittered["scheduler_stats"]

@@ -168,7 +168,6 @@ class LoadPolicy:
         self.steps = LinearFit(STEP_HALF_LIFE_S, forget_on_surprise=False)
         self._in_flight: dict[str, _InFlight] = {}
         self.counters: Counter[str] = Counter()
-        self._reported: dict[str, int] = {}
         self._declined_since_probe = PROBE_EVERY  # the first stale decline may probe
 
     # -- measurements ---------------------------------------------------------------------------
@@ -251,13 +250,6 @@ class LoadPolicy:
             self.counters["declined_requests"] += 1
             self.counters["declined_tokens"] += declined
             self.counters[f"declined_tokens_{decision.reason}"] += declined
-
-    def counters_delta(self) -> dict[str, int] | None:
-        """The counters since the last call (vLLM's stats hook), or None if none moved."""
-        current = dict(self.counters)
-        delta = {key: value - self._reported.get(key, 0) for key, value in current.items()}
-        self._reported = current
-        return {key: value for key, value in delta.items() if value} or None
 
     def report(self, now: float) -> dict[str, object]:
         """The counters and current estimates (for tests and logs)."""

@@ -11,6 +11,7 @@ COUNTERS = {
     "store_requests": "Store requests submitted to aiokv",
     "load_requests": "Load requests submitted to aiokv",
     "lookup_requests": "Lookups answered by this worker's aiokv client",
+    "lookups_deferred": "Scheduler asks answered 'ask again': the request's lookup was still in flight",
     "chunks_stored": "Chunks written to the store",
     "chunks_skipped": "Chunks not written because the store had them",
     "chunks_loaded": "Chunks read from the store",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,7 @@ from .host_tier import LookupClient, scheduler_tier
 from .keys import hashed_prompt, key_namespace
 from .load_policy import Decision, LoadPolicy
 from .metadata import AiokvConnectorMetadata, TransferSpec
+from .stats_reporter import CounterDeltas
 
 logger = logging.getLogger("aiokv.vllm")
 
@@ -121,6 +123,8 @@ class SchedulerSide:
         # Load only what beats recomputing (load_policy.py); None: every hit is loaded.
         self._policy = LoadPolicy(config.backend) if config.decline_slow_loads and self._clients else None
         self._chunk_bytes = config.chunk_blocks * sum(g.block_bytes for g in geometry.groups)
+        self.counters: Counter[str] = Counter()
+        self._deltas = CounterDeltas()
 
     # -- lookups --------------------------------------------------------------------------------
 
@@ -134,6 +138,7 @@ class SchedulerSide:
         if hit is None:
             answer = self._lookup_answer(request)
             if answer is None:
+                self.counters["lookups_deferred"] += 1
                 return None, False
             hit = self._hits[req_id] = answer
         if hit.tokens <= num_computed_tokens:
@@ -409,12 +414,15 @@ class SchedulerSide:
         return loading or stored
 
     def stats(self) -> dict[str, Any]:
-        """The load policy's counters (hit tokens declined, and why) and current estimates."""
-        return {"load_policy": self._policy.report(time.monotonic()) if self._policy is not None else None}
+        """The scheduler's counters (lookups deferred), and the load policy's (hit tokens declined, and
+        why) with its current estimates."""
+        policy = self._policy.report(time.monotonic()) if self._policy is not None else None
+        return {"counters": dict(self.counters), "load_policy": policy}
 
     def stats_delta(self) -> dict[str, int] | None:
-        """The load policy's counters since the last report (vLLM's stats hook), or None."""
-        return self._policy.counters_delta() if self._policy is not None else None
+        """The scheduler's and the load policy's counters since the last report (vLLM's stats hook)."""
+        policy = self._policy.counters if self._policy is not None else {}
+        return self._deltas.since_last({**self.counters, **policy})
 
     def shutdown(self) -> None:
         for lookup in self._lookups.values():

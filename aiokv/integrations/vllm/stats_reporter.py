@@ -6,6 +6,7 @@ import concurrent.futures
 import contextlib
 import math
 import time
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from ...codes import Code
@@ -43,6 +44,19 @@ def connector_counters(stats: dict[str, Any]) -> dict[str, int]:
     }
 
 
+class CounterDeltas:
+    """What ever-growing counters gained since the last call: vLLM's stats hook wants increments."""
+
+    def __init__(self) -> None:
+        self._reported: dict[str, int] = {}
+
+    def since_last(self, current: Mapping[str, int]) -> dict[str, int] | None:
+        """The counters that moved since the last call, or None if none did."""
+        delta = {key: value - self._reported.get(key, 0) for key, value in current.items()}
+        self._reported = dict(current)
+        return {key: value for key, value in delta.items() if value} or None
+
+
 class StatsReporter:
     """Counters since the last report, for vLLM's ``get_kv_connector_stats``.
 
@@ -57,7 +71,7 @@ class StatsReporter:
         self._interval_s = interval_s
         self._asked_at = -math.inf
         self._pending: concurrent.futures.Future[dict[str, Any]] | None = None
-        self._reported: dict[str, int] = {}
+        self._deltas = CounterDeltas()
 
     def delta(self) -> dict[str, int] | None:
         """The counters that changed since the last report (None if none did or no snapshot is in)."""
@@ -66,16 +80,10 @@ class StatsReporter:
         if pending is not None and pending.done():
             self._pending = None
             if not pending.cancelled() and pending.exception() is None:
-                report = self._since_last_report(pending.result())
+                report = self._deltas.since_last(connector_counters(pending.result()))
         now = time.monotonic()
         if self._pending is None and now - self._asked_at >= self._interval_s:
             self._asked_at = now
             with contextlib.suppress(WorkerClosedError):  # closing: nothing more to report
                 self._pending = self._worker.stats_soon()
         return report
-
-    def _since_last_report(self, stats: dict[str, Any]) -> dict[str, int] | None:
-        current = connector_counters(stats)
-        delta = {key: value - self._reported.get(key, 0) for key, value in current.items()}
-        self._reported = current
-        return delta if any(delta.values()) else None
