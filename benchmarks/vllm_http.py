@@ -18,7 +18,8 @@ one invocation, one server at a time.
 Configurations are pluggable (:data:`CONFIGS`): each names its KV transfer config and whether the
 loading server is a fresh one (a shared store) or the storing one (a tier inside the server: aiokv's
 embedded and tiered setups, whose hits come from host memory; ``tiered / aiokv`` is then a local-tier
-hit against the same hit from Mooncake).
+hit against the same hit from Mooncake). ``unverified`` is aiokv on Mooncake with ``verify_values``
+off: ``aiokv / unverified`` is what checksummed values cost under a server.
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ CONFIGS: dict[str, Config] = {
     "recompute": Config(lambda store, extra: None),
     "vllm": Config(lambda store, extra: kv_transfer_config("vllm", store)),
     "aiokv": Config(lambda store, extra: kv_transfer_config("aiokv", store, extra)),
+    # Values not checksummed (issue 25 item 1's cost: aiokv against this, same run).
+    "unverified": Config(
+        lambda store, extra: kv_transfer_config("aiokv", store, {**extra, "verify_values": False})
+    ),
     "embedded": Config(_aiokv_tier("memory"), fresh_loader=False),
     "tiered": Config(_aiokv_tier("tiered"), fresh_loader=False),
 }
@@ -303,7 +308,10 @@ def ratios(figures_by_name: dict[str, dict[str, Any]]) -> dict[str, dict[str, fl
     keys = ("ttft_p50_s", "ttft_p99_s", "requests_per_s", "server_cpu_s_per_request")
     pairs = [(name, "recompute") for name in figures_by_name if name != "recompute"]
     # A host tier's hit against the same hit from Mooncake (issue 23 item 4: the tiered goal).
-    pairs += [(a, b) for a, b in (("aiokv", "vllm"), ("tiered", "aiokv"), ("embedded", "aiokv"))]
+    pairs += [
+        (a, b)
+        for a, b in (("aiokv", "vllm"), ("aiokv", "unverified"), ("tiered", "aiokv"), ("embedded", "aiokv"))
+    ]
     return {
         f"{a} / {b}": {k: figures_by_name[a][k] / figures_by_name[b][k] for k in keys}
         for a, b in pairs

@@ -55,6 +55,16 @@ def test_host_tier_configurations_load_from_the_storing_server() -> None:
         assert ("mooncake_config" in extra) == (backend == "tiered")
 
 
+def test_unverified_differs_from_aiokv_only_by_unchecked_values() -> None:
+    store = {"mode": "standalone-store"}
+    checked = CONFIGS["aiokv"].transfer(store, {"chunk_blocks": 1})
+    unchecked = CONFIGS["unverified"].transfer(store, {"chunk_blocks": 1})
+    assert checked is not None and unchecked is not None
+    assert unchecked["kv_connector_extra_config"].pop("verify_values") is False
+    assert "verify_values" not in checked["kv_connector_extra_config"]  # the default: verified
+    assert unchecked == checked
+
+
 def test_greedy_tokens_compared_with_recompute() -> None:
     results = {
         "recompute": {"run": run([[completion([1, 2, 3], 0, 207, 1.0)]])},
