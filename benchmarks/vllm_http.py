@@ -41,13 +41,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aiokv.testing.vllm_server import Completion, VllmServer, running_server
+from aiokv.testing.vllm_server import DEFAULT_ARGS, Completion, VllmServer, running_server
 
 from .vllm import kv_transfer_config, mooncake_config, mooncake_store
 from .vllm_workload import BLOCK_SIZE, MODEL_SHAPE
 
 logger = logging.getLogger("benchmarks.vllm")
 
+# Stats on: vLLM collects the connector's counters (Prometheus) only with them.
+SERVER_ARGS = tuple(arg for arg in DEFAULT_ARGS if arg != "--disable-log-stats")
 STORE_WAIT_S = 120.0  # the storing server's stores must land by then (seen: seconds)
 
 
@@ -221,7 +223,12 @@ def run_config(
             logger.info("%s: %s server starting", name, role)
             extra = ["--max-model-len", str(max(map(len, prefixes.values())) + args.suffix_tokens + 64)]
             return running_server(
-                model, workdir / f"{name}.{role}.log", kv_transfer_config=transfer, env=env, extra_args=extra
+                model,
+                workdir / f"{name}.{role}.log",
+                kv_transfer_config=transfer,
+                env=env,
+                args=SERVER_ARGS,
+                extra_args=extra,
             )
 
         result: dict[str, Any] = {"connector": transfer}
@@ -243,6 +250,9 @@ def run_config(
         loader.complete(list(range(3, 3 + 4 * BLOCK_SIZE)), max_tokens=2, logprobs=None)
         logger.info("%s: %d clients x %d requests", name, len(clients), len(clients[0]))
         result["run"] = drive(loader, clients, args.output_tokens)
+        # AiokvConnector's counters over the loading server's life (warm-up included): lookups
+        # answered "ask again", chunks loaded, ...
+        result["aiokv_counters"] = loader.metrics() if name not in ("recompute", "vllm") else {}
         return result
 
 
@@ -298,7 +308,7 @@ def format_table(summary: dict[str, Any]) -> str:
         ("TTFT p99 (s)", "ttft_p99_s", "{:.3f}"),
         ("requests/s", "requests_per_s", "{:.2f}"),
         ("server CPU s/request", "server_cpu_s_per_request", "{:.2f}"),
-        ("hit tokens (all requests)", "hit_tokens", "{:d}"),
+        ("hit tokens (all requests)", "hit_tokens", "{:.0f}"),  # a median of two rounds may be x.5
     ]
     lines = [f"{'':28}" + "".join(f"{name:>14}" for name in names)]
     for label, key, fmt in rows:
@@ -308,6 +318,9 @@ def format_table(summary: dict[str, Any]) -> str:
             ",".join(map(str, summary["figures"][n]["hit_tokens_by_prefix"].get(size, []))) for n in names
         ]
         lines.append(f"{'hit per request, ' + size:28}" + "".join(f"{cell:>14}" for cell in cells))
+    deferrals = [summary["figures"][n].get("lookups_deferred") for n in names]
+    cells = ["-" if value is None else f"{value:.0f}" for value in deferrals]
+    lines.append(f"{'lookups deferred (server)':28}" + "".join(f"{cell:>14}" for cell in cells))
     lines.append(
         f"{'greedy tokens = recompute':28}"
         + "".join(
@@ -367,14 +380,16 @@ def main(argv: list[str] | None = None) -> int:
             for order in round_orders(configs, args.rounds)
         ]
     sizes = list(prompts[0])
-    per_round = [{n: figures(r["run"], sizes, args.suffix_tokens) for n, r in res.items()} for res in rounds]
+    per_round = [
+        {n: {**figures(r["run"], sizes, args.suffix_tokens), **deferred(r)} for n, r in res.items()}
+        for res in rounds
+    ]
     summary: dict[str, Any] = {
         "figures": median_figures(per_round, configs),
         "tokens": compare_tokens(rounds),
         "setup": {"model": shape, "args": vars(args) | {"json": None, "keep": None}},
     }
     summary["ratios"], summary["ratio_ranges"] = median_ratios(per_round)
-    sys.stdout.write(format_table(summary))
     if args.json is not None:
         raw = [
             {
@@ -391,7 +406,14 @@ def main(argv: list[str] | None = None) -> int:
         ]
         summary["per_round"] = per_round
         args.json.write_text(json.dumps({**summary, "raw": raw}, indent=1, default=str))
+    sys.stdout.write(format_table(summary))
     return 0
+
+
+def deferred(result: dict[str, Any]) -> dict[str, float]:
+    """The loading server's lookups answered "ask again" (AiokvConnector configurations only)."""
+    counters = result.get("aiokv_counters") or {}
+    return {"lookups_deferred": counters.get("vllm:aiokv_lookups_deferred_total", 0.0)} if counters else {}
 
 
 def round_orders(configs: list[str], rounds: int) -> list[list[str]]:

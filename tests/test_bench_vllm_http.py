@@ -7,12 +7,14 @@ import argparse
 
 import pytest
 
-from aiokv.testing.vllm_server import Completion
+from aiokv.testing.vllm_server import Completion, prometheus_samples
 from benchmarks.vllm_http import (
     CONFIGS,
     build_prompts,
     compare_tokens,
+    deferred,
     figures,
+    format_table,
     median_figures,
     median_ratios,
     ratios,
@@ -118,3 +120,30 @@ def test_rounds_give_median_figures_and_median_ratios_with_their_range() -> None
     assert medians["aiokv / vllm"]["ttft_p50_s"] == pytest.approx(0.5)
     assert spans["aiokv / vllm"]["ttft_p50_s"] == pytest.approx((0.5, 1.5))
     assert medians["aiokv / recompute"]["ttft_p50_s"] == pytest.approx(0.2)
+    # Two rounds: medians are means of two, hit tokens included.
+    two = median_figures(rounds[:2], ["recompute", "vllm", "aiokv"])
+    assert two["aiokv"]["hit_tokens"] == 192.0
+    summary = {
+        "figures": two,
+        "tokens": {n: {"equal": 1} for n in two},
+        "ratios": median_ratios(rounds[:2])[0],
+    }
+    table = format_table(summary)
+    assert "aiokv / vllm: ttft_p50_s 1.00" in table and "192" in table
+
+
+def test_the_connectors_counters_are_read_from_the_servers_metrics() -> None:
+    text = "\n".join(
+        [
+            "# HELP vllm:aiokv_lookups_deferred_total Scheduler asks answered 'ask again'",
+            "# TYPE vllm:aiokv_lookups_deferred_total counter",
+            'vllm:aiokv_lookups_deferred_total{engine="0",model_name="model"} 7.0',
+            'vllm:aiokv_lookups_deferred_total{engine="1",model_name="model"} 2.0',
+            'vllm:aiokv_chunks_loaded_total{engine="0",model_name="model"} 484.0',
+            'vllm:num_requests_running{engine="0",model_name="model"} 1.0',
+        ]
+    )
+    samples = prometheus_samples(text, "vllm:aiokv_")
+    assert samples == {"vllm:aiokv_lookups_deferred_total": 9.0, "vllm:aiokv_chunks_loaded_total": 484.0}
+    assert deferred({"aiokv_counters": samples}) == {"lookups_deferred": 9.0}
+    assert deferred({"aiokv_counters": {}}) == {}  # vLLM's connector, recompute: no such counters

@@ -173,6 +173,14 @@ class VllmServer:
                 chunks.append(choice)
         return _completion(chunks, usage, seconds=time.monotonic() - began, ttft_s=ttft, logprobs=logprobs)
 
+    def metrics(self, prefix: str = "vllm:aiokv_") -> dict[str, float]:
+        """The server's Prometheus samples whose name starts with ``prefix``, summed over their labels
+        (a server started without ``--disable-log-stats``: vLLM collects no connector stats without)."""
+        response = self._request("GET", "/metrics")
+        if response.status != 200:
+            raise RuntimeError(f"server {self.name}: /metrics answered HTTP {response.status}")
+        return prometheus_samples(response.read().decode(), prefix)
+
     def complete_all(self, prompts: Sequence[Sequence[int]], **options: Any) -> list[Completion]:
         """Every prompt at once, one HTTP connection and thread each (real concurrent requests)."""
         with ThreadPoolExecutor(max_workers=max(1, len(prompts))) as pool:
@@ -198,6 +206,19 @@ class VllmServer:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
         return int(self.process.returncode)
+
+
+def prometheus_samples(text: str, prefix: str) -> dict[str, float]:
+    """Samples of Prometheus' text format whose metric name starts with ``prefix``, summed per name
+    over their labels; comments skipped."""
+    samples: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(prefix):
+            continue
+        name_and_labels, _, value = line.rpartition(" ")
+        name = name_and_labels.split("{", 1)[0]
+        samples[name] = samples.get(name, 0.0) + float(value)
+    return samples
 
 
 def _completion(
