@@ -11,7 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,7 @@ from .host_tier import LookupClient, scheduler_tier
 from .keys import hashed_prompt, key_namespace
 from .load_policy import Decision, LoadPolicy
 from .metadata import AiokvConnectorMetadata, TransferSpec
+from .state_groups import StateGroups
 
 logger = logging.getLogger("aiokv.vllm")
 
@@ -42,6 +43,8 @@ class _Lookup:
     # found from the window's first chunk.
     window: dict[int, tuple[int, concurrent.futures.Future[int]]] | None = None
     end: int = 0  # the hit (in chunks) the second round checks
+    # State groups: per group, whether it holds the state at each chunk end (state_groups.py).
+    states: dict[int, list[concurrent.futures.Future[int]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -83,7 +86,7 @@ class SchedulerSide:
         self._groups: GroupWorkers | None = None
         if self._backend is not None and self.can_load:
             self._groups = GroupWorkers(
-                [group.lookup_layout(self._scratch) for group in geometry.groups],
+                [group.lookup_layout(self._scratch, self.chunk_tokens) for group in geometry.groups],
                 self._backend,
                 [
                     key_namespace(vllm_config, config, geometry, tp_rank=0, pp_rank=0, group=index)
@@ -120,7 +123,10 @@ class SchedulerSide:
         self._with_stores: set[str] = set()
         # Load only what beats recomputing (load_policy.py); None: every hit is loaded.
         self._policy = LoadPolicy(config.backend) if config.decline_slow_loads and self._clients else None
-        self._chunk_bytes = config.chunk_blocks * sum(g.block_bytes for g in geometry.groups)
+        self._chunk_bytes = sum(g.chunk_bytes(config.chunk_blocks) for g in geometry.groups)
+        # Linear-attention / Mamba groups: their states are asked for, stored and loaded apart.
+        self._states = StateGroups(geometry, config)
+        self._attention = [g for g, group in enumerate(geometry.groups) if not group.is_state]
 
     # -- lookups --------------------------------------------------------------------------------
 
@@ -144,7 +150,8 @@ class SchedulerSide:
             chunks = -(-tokens // self.chunk_tokens)
             hit.decision = self._policy.decide(chunks, self.chunk_tokens, self._chunk_bytes, time.monotonic())
             tokens = min(tokens, hit.decision.chunks * self.chunk_tokens)
-            if not tokens:
+            if not tokens or (self._states and tokens < hit.tokens - num_computed_tokens):
+                # A shorter load would end where no state was looked up: all or nothing.
                 return 0, False
         return tokens, self.config.load_async
 
@@ -160,16 +167,21 @@ class SchedulerSide:
             if not prompt.hashes or not self._clients:
                 return _Hit(prompt, 0)
             try:
-                futures = [client.lookup_many([prompt])[0] for client in self._clients]
+                futures = [self._clients[g].lookup_many([prompt])[0] for g in self._attention]
+                states = self._states.ask(self._clients, prompt, request.num_tokens) if self._states else {}
             except Exception as exc:
                 logger.warning("aiokv: lookup for %s refused (%s); treated as a miss", req_id, exc)
                 return _Hit(prompt, 0)
             lookup = self._lookups[req_id] = _Lookup(
-                futures, prompt, time.monotonic() + self.config.lookup_timeout_s
+                futures, prompt, time.monotonic() + self.config.lookup_timeout_s, states=states
             )
             # A short wait answers most lookups at the first ask; the rest are asked again next step.
-            concurrent.futures.wait(futures, timeout=self.config.lookup_wait_s)
-        pending = [*lookup.futures, *(future for _, future in (lookup.window or {}).values())]
+            concurrent.futures.wait([*futures, *_flat(states)], timeout=self.config.lookup_wait_s)
+        pending = [
+            *lookup.futures,
+            *(future for _, future in (lookup.window or {}).values()),
+            *_flat(lookup.states),
+        ]
         if not all(future.done() for future in pending):
             if time.monotonic() < lookup.deadline:
                 return None
@@ -182,6 +194,8 @@ class SchedulerSide:
             if lookup.window is None and self._ask_windows(lookup):
                 return None
             chunks = self._found_chunks(lookup)
+            if self._states:
+                chunks = self._states.hit(chunks, lookup.states)
         except Exception as exc:
             logger.warning("aiokv: lookup for %s failed (%s); treated as a miss", req_id, exc)
             chunks = 0
@@ -195,7 +209,7 @@ class SchedulerSide:
         groups' for the window before that end (vLLM's own connector stores only such windows).
         True if a second round was asked."""
         found = [int(future.result()) // self.chunk_tokens for future in lookup.futures]
-        groups = self.geometry.groups
+        groups = [self.geometry.groups[g] for g in self._attention]
         others = [n for n, group in zip(found, groups, strict=True) if group.sliding_window is None]
         lookup.end = end = min(others, default=len(lookup.prompt.hashes))
         short = [g for g, group in enumerate(groups) if group.sliding_window is not None and found[g] < end]
@@ -205,7 +219,7 @@ class SchedulerSide:
         for g in short:
             first = groups[g].window_first_chunk(end, self.chunk_tokens)
             window = HashedPrompt(lookup.prompt.hashes[first:end], self.chunk_tokens)
-            lookup.window[g] = (first, self._clients[g].lookup_many([window])[0])
+            lookup.window[g] = (first, self._clients[self._attention[g]].lookup_many([window])[0])
         concurrent.futures.wait(
             [future for _, future in lookup.window.values()], timeout=self.config.lookup_wait_s
         )
@@ -261,7 +275,8 @@ class SchedulerSide:
         vLLM allocated in each KV cache group. A chunk is loaded only if every one of its blocks was
         allocated (a load never writes a block the request was not given); the blocks of the hit left
         unloaded are reported failed, so vLLM recomputes them instead of reading what they hold. A
-        sliding-window group gets null blocks before its window: only the chunks after them load."""
+        sliding-window group gets null blocks before its window: only the chunks after them load. A
+        state group loads the state at the hit's end (state_groups.py)."""
         first = hit.local // self.chunk_tokens
         end_token = hit.local + num_external_tokens
         wanted = min(-(-end_token // self.chunk_tokens), len(hit.prompt.hashes))
@@ -269,7 +284,13 @@ class SchedulerSide:
         last = max(first, min(wanted, allocated))
         end = last * self.chunk_blocks
         block_ids, first_chunks, unloaded = [], [], []
-        for ids in group_block_ids:
+        for group, ids in enumerate(group_block_ids):
+            if self.geometry.groups[group].is_state:
+                state, missing = self._states.load_blocks(ids, end_token, end * self.block_size)
+                first_chunks.append(last - first - 1)
+                block_ids.append(state)
+                unloaded.append(missing)
+                continue
             window = max(first, usable_from(ids[:end], self.chunk_blocks))
             first_chunks.append(window - first)
             block_ids.append(tuple(int(b) for b in ids[window * self.chunk_blocks : end]))
@@ -327,6 +348,7 @@ class SchedulerSide:
             table = block_state.get_block_ids(req_id) if block_state is not None else None
             if table is None:
                 continue
+            table = self._states.without_states(table)  # their states come from vLLM's hand-offs
             prompt = self._prompts.get(req_id)
             if prompt is None or len(prompt.hashes) < chunks:
                 prompt = self._prompts[req_id] = hashed_prompt(
@@ -335,6 +357,10 @@ class SchedulerSide:
             meta.stores.append(self._store_spec(req_id, prompt, table, done, chunks))
             self._stored_chunks[req_id] = chunks
             self._with_stores.add(req_id)
+        if self._states and block_state is not None:
+            states = self._states.stores(block_state, self._requests)
+            meta.stores += states
+            self._with_stores.update(spec.req_id for spec in states)
         return self._with_tier(meta)
 
     def _with_tier(self, meta: AiokvConnectorMetadata) -> AiokvConnectorMetadata:
@@ -418,7 +444,7 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         for lookup in self._lookups.values():
-            for future in lookup.futures:
+            for future in (*lookup.futures, *_flat(lookup.states)):
                 future.cancel()
         self._clients = []
         if self._groups is not None:
@@ -427,3 +453,7 @@ class SchedulerSide:
         if self._backend is not None:
             backend, self._backend = self._backend, None
             release_backend(self.engine_id, backend)
+
+
+def _flat(states: dict[int, list[concurrent.futures.Future[int]]]) -> list[concurrent.futures.Future[int]]:
+    return [future for futures in states.values() for future in futures]
