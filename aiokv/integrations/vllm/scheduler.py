@@ -11,7 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,7 @@ from ...leases import LeaseBudget
 from .clients import acquire_backend, at_exit, release_backend
 from .config import ConnectorConfig
 from .geometry import EngineGeometry, usable_from
+from .group_lookups import GroupLookup
 from .group_workers import GroupWorkers
 from .host_tier import LookupClient, scheduler_tier
 from .keys import hashed_prompt, key_namespace
@@ -31,20 +32,6 @@ from .state_groups import StateGroups
 logger = logging.getLogger("aiokv.vllm")
 
 LOOKUP_LEASE_CACHES = 2  # the scheduler's lookups may hold leases on this many KV caches' worth of chunks
-
-
-@dataclass
-class _Lookup:
-    futures: list[concurrent.futures.Future[int]]  # one per KV cache group
-    prompt: HashedPrompt
-    deadline: float
-    # Second round, for sliding-window groups whose leading run is shorter than the other groups':
-    # do they hold the window before the hit's end (all the engine reads)? Per group, its chunks
-    # found from the window's first chunk.
-    window: dict[int, tuple[int, concurrent.futures.Future[int]]] | None = None
-    end: int = 0  # the hit (in chunks) the second round checks
-    # State groups: per group, whether it holds the state at each chunk end (state_groups.py).
-    states: dict[int, list[concurrent.futures.Future[int]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -110,7 +97,7 @@ class SchedulerSide:
             self._clients = [self._tier.lookup_client(self._clients[0] if self._clients else None)]
         at_exit(self.shutdown)
         self._requests: dict[str, Any] = {}
-        self._lookups: dict[str, _Lookup] = {}
+        self._lookups: dict[str, GroupLookup] = {}
         self._hits: dict[str, _Hit] = {}
         self._loads: list[TransferSpec] = []
         self._loading: set[str] = set()
@@ -172,16 +159,12 @@ class SchedulerSide:
             except Exception as exc:
                 logger.warning("aiokv: lookup for %s refused (%s); treated as a miss", req_id, exc)
                 return _Hit(prompt, 0)
-            lookup = self._lookups[req_id] = _Lookup(
+            lookup = self._lookups[req_id] = GroupLookup(
                 futures, prompt, time.monotonic() + self.config.lookup_timeout_s, states=states
             )
             # A short wait answers most lookups at the first ask; the rest are asked again next step.
-            concurrent.futures.wait([*futures, *_flat(states)], timeout=self.config.lookup_wait_s)
-        pending = [
-            *lookup.futures,
-            *(future for _, future in (lookup.window or {}).values()),
-            *_flat(lookup.states),
-        ]
+            concurrent.futures.wait(lookup.pending(), timeout=self.config.lookup_wait_s)
+        pending = lookup.pending()
         if not all(future.done() for future in pending):
             if time.monotonic() < lookup.deadline:
                 return None
@@ -191,11 +174,12 @@ class SchedulerSide:
                 future.cancel()
             return _Hit(lookup.prompt, 0)
         try:
-            if lookup.window is None and self._ask_windows(lookup):
+            groups = [self.geometry.groups[g] for g in self._attention]
+            clients = [self._clients[g] for g in self._attention]
+            wait = self.config.lookup_wait_s
+            if lookup.window is None and lookup.ask_windows(groups, clients, self.chunk_tokens, wait):
                 return None
-            chunks = self._found_chunks(lookup)
-            if self._states:
-                chunks = self._states.hit(chunks, lookup.states)
+            chunks = lookup.found_chunks(self.chunk_tokens, self._states)
         except Exception as exc:
             logger.warning("aiokv: lookup for %s failed (%s); treated as a miss", req_id, exc)
             chunks = 0
@@ -203,38 +187,6 @@ class SchedulerSide:
         tokens = chunks * self.chunk_tokens
         found = HashedPrompt(lookup.prompt.hashes[:chunks], self.chunk_tokens)
         return _Hit(found, self._hit_tokens(request, tokens))
-
-    def _ask_windows(self, lookup: _Lookup) -> bool:
-        """After the first round: ask the sliding-window groups whose leading run ends before the other
-        groups' for the window before that end (vLLM's own connector stores only such windows).
-        True if a second round was asked."""
-        found = [int(future.result()) // self.chunk_tokens for future in lookup.futures]
-        groups = [self.geometry.groups[g] for g in self._attention]
-        others = [n for n, group in zip(found, groups, strict=True) if group.sliding_window is None]
-        lookup.end = end = min(others, default=len(lookup.prompt.hashes))
-        short = [g for g, group in enumerate(groups) if group.sliding_window is not None and found[g] < end]
-        if not short or not end:
-            return False
-        lookup.window = {}
-        for g in short:
-            first = groups[g].window_first_chunk(end, self.chunk_tokens)
-            window = HashedPrompt(lookup.prompt.hashes[first:end], self.chunk_tokens)
-            lookup.window[g] = (first, self._clients[self._attention[g]].lookup_many([window])[0])
-        concurrent.futures.wait(
-            [future for _, future in lookup.window.values()], timeout=self.config.lookup_wait_s
-        )
-        return True
-
-    def _found_chunks(self, lookup: _Lookup) -> int:
-        """The leading chunks every group can serve: the other groups' run if each sliding-window group
-        holds its window before the run's end, else the shortest leading run of any group."""
-        leading = min(int(future.result()) for future in lookup.futures) // self.chunk_tokens
-        if lookup.window is None:
-            return leading
-        for first, future in lookup.window.values():
-            if int(future.result()) // self.chunk_tokens < lookup.end - first:
-                return leading
-        return lookup.end
 
     def _hit_tokens(self, request: Any, found: int) -> int:
         """The hit to tell vLLM for ``found`` leading tokens in the store. vLLM must compute at least
@@ -444,7 +396,7 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         for lookup in self._lookups.values():
-            for future in (*lookup.futures, *_flat(lookup.states)):
+            for future in lookup.pending():
                 future.cancel()
         self._clients = []
         if self._groups is not None:
@@ -453,7 +405,3 @@ class SchedulerSide:
         if self._backend is not None:
             backend, self._backend = self._backend, None
             release_backend(self.engine_id, backend)
-
-
-def _flat(states: dict[int, list[concurrent.futures.Future[int]]]) -> list[concurrent.futures.Future[int]]:
-    return [future for futures in states.values() for future in futures]
