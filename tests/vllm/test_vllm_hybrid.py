@@ -34,6 +34,8 @@ from tests.vllm.support import (
     connector,
     generate,
     greedy_tolerance,
+    key_logged_engine,
+    keys_of,
     overwrite,
     read_key_log,
     read_value,
@@ -63,34 +65,10 @@ def world(tmp_path_factory: pytest.TempPathFactory, mooncake_master: Any) -> Ite
 
 
 def with_connector(
-    world: dict[str, Any],
-    name: str,
-    steps: list[dict[str, Any]],
-    *,
-    backend: str = "tests.vllm.support:key_log_mooncake",
-    engine: dict[str, Any] | None = None,
-    env: dict[str, str] | None = None,
+    world: dict[str, Any], name: str, steps: list[dict[str, Any]], **options: Any
 ) -> dict[str, Any]:
     """An engine with the connector (one block per key), its puts and gets recorded (``run["keys"]``)."""
-    log = world["root"] / f"{name}.keys.jsonl"
-    kv = connector({"backend": backend, "mooncake_config": str(world["mooncake_config"]), "chunk_blocks": 1})
-    run = run_engine(
-        world["root"],
-        name,
-        model=world["model"],
-        engine=engine,
-        env={**MOONCAKE_ENV, "AIOKV_TEST_KEY_LOG": str(log), **(env or {})},
-        kv_transfer_config=kv,
-        steps=steps,
-    )
-    run["keys"] = read_key_log(log)
-    return run
-
-
-def keys_of(run: dict[str, Any], op: str, containing: str) -> list[str]:
-    found = [entry for entry in run["keys"] if entry["op"] == op]
-    assert all(code >= 0 for entry in found for code in entry["codes"]), found
-    return [key for entry in found for key in entry["keys"] if containing in key]
+    return key_logged_engine(world, name, steps, chunk_blocks=1, **options)
 
 
 @pytest.fixture(scope="module")
