@@ -169,11 +169,19 @@ def test_state_groups_geometry_and_refusals() -> None:
     layout = engine_layout({"model.layers.0.self_attn.attn": [conv, ssm]}, group, 256)
     assert layout.base_addrs.tolist() == [pool.data_ptr(), pool.data_ptr() + 3072]
     assert layout.region_block_strides.tolist() == [131072, 131072] and layout.num_blocks == 16
+    assert layout.device == "cpu" and layout.dtype == "bfloat16+float32"
     scratch = np.zeros(131072, dtype=np.uint8)
     assert group.lookup_layout(scratch, 256).fingerprint == layout.fingerprint
     assert group.lookup_layout(scratch, 512).fingerprint != layout.fingerprint  # chunk size is in keys
     with pytest.raises(ValueError, match="not back to back"):
         engine_layout({"model.layers.0.self_attn.attn": [ssm, conv]}, group, 256)
+    # vLLM's CPU runner registers the page itself (the state's bytes, then padding).
+    page = pool[:, :68608].view(16, 1, 1, 68608)
+    assert (
+        engine_layout({"model.layers.0.self_attn.attn": page}, group, 256).fingerprint == layout.fingerprint
+    )
+    with pytest.raises(ValueError, match="less than the 68608-byte state"):
+        engine_layout({"model.layers.0.self_attn.attn": pool[:, :4096]}, group, 256)
     with pytest.raises(ValueError, match=r"only with mamba_cache_mode='align'.*runs mamba_cache_mode='none'"):
         kv_geometry(_kv_cache_config(dataclasses.replace(state, mamba_cache_mode="none"), full))
     with pytest.raises(ValueError, match="speculative"):

@@ -114,7 +114,9 @@ class EngineGeometry:
         return any(group.is_state for group in self.groups)
 
 
-def state_layout(geometry: KVGeometry, bases: Sequence[int], num_blocks: int, chunk_tokens: int) -> KVLayout:
+def state_layout(
+    geometry: KVGeometry, bases: Sequence[int], num_blocks: int, chunk_tokens: int, device: str = "cpu"
+) -> KVLayout:
     """A state group's layout: per layer (page ``b`` at ``bases[layer] + b * page_bytes``), one region
     per state tensor. One block is one key: it stands for the ``chunk_tokens`` tokens whose state it is,
     and that size is in the fingerprint (an engine of other chunks never reads it)."""
@@ -129,6 +131,7 @@ def state_layout(geometry: KVGeometry, bases: Sequence[int], num_blocks: int, ch
         num_blocks=num_blocks,
         dtype="+".join(dtype for _, dtype in geometry.state_parts),
         block_strides=[geometry.page_bytes],
+        device=device,
     )
 
 

@@ -13,6 +13,7 @@ last block of the hit in the group's table). Other modes are refused.
 from __future__ import annotations
 
 import concurrent.futures
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,25 +77,37 @@ def state_engine_layout(tensors: Sequence[Any], geometry: KVGeometry, chunk_toke
     bases = []
     num_blocks = None
     for index, tensor in enumerate(tensors):
-        first = tensor[0] if isinstance(tensor, (list, tuple)) else tensor
+        first = _first(tensor)
         blocks, page = int(first.shape[0]), int(first.stride()[0]) * int(first.element_size())
         if page != geometry.page_bytes or (num_blocks is not None and blocks != num_blocks):
             raise ValueError(
                 f"unsupported state tensor {index}: {blocks} blocks {page} bytes apart; the KV cache spec "
                 f"says {geometry.page_bytes}-byte pages"
             )
-        if first.device.type != "cpu" and not first.is_cuda:
-            raise ValueError(f"state tensor {index} lives on {first.device}")
+        if str(first.device) != str(device := _first(tensors[0]).device):
+            raise ValueError(f"state tensor {index} lives on {first.device}, the first on {device}")
         num_blocks = blocks
         bases.append(int(first.data_ptr()))
+        state_bytes = sum(size for size, _ in geometry.state_parts)
         if isinstance(tensor, (list, tuple)):
             offsets = [int(part.data_ptr()) - bases[-1] for part in tensor]
-            expected = [sum(size for size, _ in geometry.state_parts[:i]) for i in range(len(tensor))]
+            expected = [
+                sum(size for size, _ in geometry.state_parts[:i]) for i in range(len(geometry.state_parts))
+            ]
             if offsets != expected:
-                raise ValueError(f"state tensor {index}'s parts lie at {offsets}, not back to back")
+                raise ValueError(
+                    f"state tensor {index}'s parts lie at {offsets}, not back to back at {expected}"
+                )
+        elif math.prod(int(n) for n in first.shape[1:]) * int(first.element_size()) < state_bytes:
+            raise ValueError(f"state tensor {index}'s pages hold less than the {state_bytes}-byte state")
     if num_blocks is None:
         raise ValueError("no state tensors to register")
-    return state_layout(geometry, bases, num_blocks, chunk_tokens)
+    return state_layout(geometry, bases, num_blocks, chunk_tokens, str(_first(tensors[0]).device))
+
+
+def _first(tensor: Any) -> Any:
+    """The tensor vLLM registered for a layer, or the first of its list of state tensors."""
+    return tensor[0] if isinstance(tensor, (list, tuple)) else tensor
 
 
 def check_state_support(geometry: EngineGeometry, config: ConnectorConfig) -> None:
