@@ -18,6 +18,7 @@ network namespace.
   wrong state loads, and the tokens change.
 - E loads PROMPT with every get of the state group failing: its attention chunks load but the whole
   hit is recomputed in every group, and outputs are right.
+- Three prompts sharing PROMPT's first 1,792 tokens arrive together at a fresh engine: each gets them.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ pytestmark = pytest.mark.mooncake
 BLOCK = 256  # "align" mode gives both groups the state group's block size
 PROMPT, PROMPT_Q = tokens(81, 2000), tokens(82, 1290)
 HIT, HIT_Q = 1792, 1280  # the last block boundary before each prompt's last token
+# Three prompts sharing PROMPT's first 1,792 tokens (its stored state's prefix), suffixes of their own.
+SHARED = [PROMPT[:HIT] + tokens(90 + i, 200 + 37 * i) for i in range(3)]
 STATE_KEYS, FULL_KEYS = "hma-g0-state-gdn_attn", "hma-g1-full"
 ALIGN = {"mamba_cache_mode": "align"}
 
@@ -100,6 +103,11 @@ def runs(world: dict[str, Any], mooncake_backend: Any) -> dict[str, Any]:
             evict,
             generate("cold_q", [PROMPT_Q]),
             generate("warm_q", [PROMPT_Q]),
+            evict,
+            generate("cold_shared", SHARED),
+            evict,
+            generate("prefix", [PROMPT[: HIT + 1]]),  # caches the shared blocks and the state at 1,792
+            generate("warm_shared", SHARED),
         ],
     )
     stores = [generate("p", [PROMPT]), {"op": "flush"}, generate("q", [PROMPT_Q]), {"op": "flush"}]
@@ -190,6 +198,25 @@ def test_a_failed_state_load_recomputes_every_group(runs: dict[str, Any]) -> Non
     got = only(run, "p")
     assert got["tokens"] == only(runs["ref"], "cold")["tokens"]
     assert_same_greedy(got, only(runs["ref"], "cold"), tolerance(runs["ref"]))
+
+
+def test_concurrent_requests_sharing_a_stored_prefix(runs: dict[str, Any], world: dict[str, Any]) -> None:
+    """Three other prompts sharing PROMPT's first 1,792 tokens arrive together at a fresh engine: the
+    state is keyed by the prefix it ends, so each gets those 1,792 tokens (from the store, or from
+    the request that loaded them first), with the right outputs."""
+    run = with_connector(world, "G", [generate("shared", SHARED), {"op": "stats"}])
+    limit = tolerance(runs["ref"])
+    for got, cold, warm in zip(
+        run["shared"]["outputs"],
+        runs["ref"]["cold_shared"]["outputs"],
+        runs["ref"]["warm_shared"]["outputs"],
+        strict=True,
+    ):
+        assert got["cached"] == HIT
+        assert got["tokens"] == cold["tokens"]
+        assert_same_greedy(got, warm, limit)
+    assert set(keys_of(run, "get", STATE_KEYS)) == {runs["swapped"][0]}  # PROMPT's state
+    assert run["stats"]["events"].get("load_error_requests", 0) == 0
 
 
 def test_mode_none_is_refused_with_the_reason(tmp_path: Path) -> None:
