@@ -117,3 +117,22 @@ def test_the_state_loads_into_the_block_at_the_hits_end(
 def test_a_null_block_at_the_hits_end_fails_the_load() -> None:
     state, unloaded = _state_groups().load_blocks([0, 0, 0, 0, 0, 0, 0], 1792, 1792)
     assert state == () and unloaded  # reported failed: vLLM recomputes the request in every group
+
+
+def test_the_tiny_qwen3_next_is_seeded_and_checks_its_arguments(tmp_path: Any) -> None:
+    """Equal arguments write equal bytes (engines in different processes load the same model);
+    other seeds other weights; bad arguments are refused before anything is written."""
+    require_vllm()  # torch and safetensors come with vLLM
+    from aiokv.testing.tiny_qwen3_next import write_tiny_qwen3_next
+
+    first, again, other = (
+        write_tiny_qwen3_next(tmp_path / name, seed=seed) for name, seed in (("a", 0), ("b", 0), ("c", 1))
+    )
+    weights = [(path / "model.safetensors").read_bytes() for path in (first, again, other)]
+    assert weights[0] == weights[1] != weights[2]
+    assert (first / "config.json").read_text() == (again / "config.json").read_text()
+    with pytest.raises(ValueError, match="layer_types"):
+        write_tiny_qwen3_next(tmp_path / "bad", layer_types=("mamba", "full_attention"))
+    with pytest.raises(ValueError, match="multiple"):
+        write_tiny_qwen3_next(tmp_path / "bad", linear_heads=3)
+    assert not (tmp_path / "bad").exists()

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from aiokv.testing.tiny_model import write_tiny_qwen3_next
+from aiokv.testing.tiny_qwen3_next import write_tiny_qwen3_next
 from tests.vllm.support import (
     assert_same_greedy,
     connector,
