@@ -189,8 +189,8 @@ class WorkerSide:
             # steps must be done before they can be reused.
             pending = [future for futures in self._stores.values() for future in futures if not future.done()]
             if pending:
-                self.events["window_stores_waited"] += 1
-                _wait_all(pending, "stores of sliding-window blocks")
+                self.events["state_stores_waited" if self.geometry.has_state else "window_stores_waited"] += 1
+                _wait_all(pending, "stores of blocks vLLM may free (sliding windows, states)")
 
     def start_load_kv(self, meta: AiokvConnectorMetadata) -> None:
         if self.tier is not None:
