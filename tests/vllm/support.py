@@ -283,6 +283,20 @@ def assert_same_greedy(got: dict[str, Any], want: dict[str, Any], tolerance: flo
     assert len(got["tokens"]) == len(want["tokens"]), what
 
 
+def assert_each_gets_the_prefix(
+    run: dict[str, Any], ref: dict[str, Any], name: str, cached: int, tolerance: float
+) -> None:
+    """Step ``name`` of ``run`` (concurrent prompts sharing a stored prefix): each request got
+    ``cached`` tokens, the greedy tokens of ``ref``'s ``cold_<name>`` (computed whole) and logprobs
+    within ``tolerance`` of its ``warm_<name>`` (vLLM reusing the prefix from its own cache)."""
+    for got, cold, warm in zip(
+        run[name]["outputs"], ref[f"cold_{name}"]["outputs"], ref[f"warm_{name}"]["outputs"], strict=True
+    ):
+        assert got["cached"] == cached, got
+        assert got["tokens"] == cold["tokens"]
+        assert_same_greedy(got, warm, tolerance)
+
+
 def same_outputs(got: dict[str, Any], want: dict[str, Any]) -> bool:
     """Greedy tokens and their logprobs equal (bitwise: both are deterministic CPU runs)."""
     return got["tokens"] == want["tokens"] and got["logprobs"] == want["logprobs"]

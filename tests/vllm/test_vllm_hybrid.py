@@ -30,6 +30,7 @@ from aiokv.testing.tiny_model import write_tiny_sliding_llama
 from tests.vllm.support import (
     BLOCK,
     MOONCAKE_ENV,
+    assert_each_gets_the_prefix,
     assert_same_greedy,
     connector,
     generate,
@@ -204,16 +205,7 @@ def test_concurrent_requests_sharing_a_stored_prefix(runs: dict[str, Any], world
     """Three requests sharing 1,536 of A's tokens arrive together at a fresh engine: each gets the
     shared blocks (from the store, or from the one that loaded them first), with the right outputs."""
     run = with_connector(world, "G", [generate("shared", SHARED), {"op": "stats"}])
-    limit = tolerance(runs["ref"])
-    for got, cold, warm in zip(
-        run["shared"]["outputs"],
-        runs["ref"]["cold_shared"]["outputs"],
-        runs["ref"]["warm_shared"]["outputs"],
-        strict=True,
-    ):
-        assert got["cached"] == SHARED_PREFIX
-        assert got["tokens"] == cold["tokens"]
-        assert_same_greedy(got, warm, limit)
+    assert_each_gets_the_prefix(run, runs["ref"], "shared", SHARED_PREFIX, tolerance(runs["ref"]))
     assert set(keys_of(run, "get", FULL_KEYS)) <= set(keys_of(runs["A"], "put", FULL_KEYS))
     assert len(set(keys_of(run, "get", FULL_KEYS))) == SHARED_PREFIX // BLOCK
     assert run["stats"]["events"].get("load_error_blocks", 0) == 0

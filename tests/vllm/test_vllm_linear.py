@@ -31,6 +31,7 @@ import pytest
 
 from aiokv.testing.tiny_qwen3_next import write_tiny_qwen3_next
 from tests.vllm.support import (
+    assert_each_gets_the_prefix,
     assert_same_greedy,
     connector,
     generate,
@@ -205,16 +206,7 @@ def test_concurrent_requests_sharing_a_stored_prefix(runs: dict[str, Any], world
     state is keyed by the prefix it ends, so each gets those 1,792 tokens (from the store, or from
     the request that loaded them first), with the right outputs."""
     run = with_connector(world, "G", [generate("shared", SHARED), {"op": "stats"}])
-    limit = tolerance(runs["ref"])
-    for got, cold, warm in zip(
-        run["shared"]["outputs"],
-        runs["ref"]["cold_shared"]["outputs"],
-        runs["ref"]["warm_shared"]["outputs"],
-        strict=True,
-    ):
-        assert got["cached"] == HIT
-        assert got["tokens"] == cold["tokens"]
-        assert_same_greedy(got, warm, limit)
+    assert_each_gets_the_prefix(run, runs["ref"], "shared", HIT, tolerance(runs["ref"]))
     assert set(keys_of(run, "get", STATE_KEYS)) == {runs["swapped"][0]}  # PROMPT's state
     assert run["stats"]["events"].get("load_error_requests", 0) == 0
 
