@@ -1,5 +1,6 @@
 """Small, seeded random-weight checkpoints for tests, examples and benchmarks (no download): a Llama,
-and a DeepSeek-V2-style model with multi-head latent attention (MLA).
+a DeepSeek-V2-style model with multi-head latent attention (MLA), a sliding-window Llama; a Qwen3-Next
+with linear attention is in :mod:`aiokv.testing.tiny_qwen3_next`.
 
 vLLM's ``load_format="dummy"`` fills every weight with tiny uniform values, so logits are flat and outputs
 do not depend on the KV cache. These weights (normal, scaled by ``1/sqrt(fan_in)``, embeddings of std 1,

@@ -164,6 +164,41 @@ def run_engine(
     return results
 
 
+def key_logged_engine(
+    world: dict[str, Any],
+    name: str,
+    steps: list[dict[str, Any]],
+    *,
+    backend: str = "tests.vllm.support:key_log_mooncake",
+    engine: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """An engine of ``world["model"]`` with the connector on the world's Mooncake store (``extra``: more
+    of its extra config), its puts and gets recorded (``run["keys"]``, see :class:`KeyLog`)."""
+    log = world["root"] / f"{name}.keys.jsonl"
+    kv = connector({"backend": backend, "mooncake_config": str(world["mooncake_config"]), **extra})
+    run = run_engine(
+        world["root"],
+        name,
+        model=world["model"],
+        engine=engine,
+        env={**MOONCAKE_ENV, "AIOKV_TEST_KEY_LOG": str(log), **(env or {})},
+        kv_transfer_config=kv,
+        steps=steps,
+    )
+    run["keys"] = read_key_log(log)
+    return run
+
+
+def keys_of(run: dict[str, Any], op: str, containing: str) -> list[str]:
+    """The keys of a key-logged run's ``op`` ("put" or "get") containing ``containing``, in order;
+    every one of them must have succeeded."""
+    found = [entry for entry in run["keys"] if entry["op"] == op]
+    assert all(code >= 0 for entry in found for code in entry["codes"]), found
+    return [key for entry in found for key in entry["keys"] if containing in key]
+
+
 def generate(
     name: str, prompts: list[list[int]], max_tokens: int = 8, logprobs: bool = True
 ) -> dict[str, Any]:
@@ -246,6 +281,20 @@ def assert_same_greedy(got: dict[str, Any], want: dict[str, Any], tolerance: flo
             f"(top {want.get('top', [])[same : same + 1]})"
         )
     assert len(got["tokens"]) == len(want["tokens"]), what
+
+
+def assert_each_gets_the_prefix(
+    run: dict[str, Any], ref: dict[str, Any], name: str, cached: int, tolerance: float
+) -> None:
+    """Step ``name`` of ``run`` (concurrent prompts sharing a stored prefix): each request got
+    ``cached`` tokens, the greedy tokens of ``ref``'s ``cold_<name>`` (computed whole) and logprobs
+    within ``tolerance`` of its ``warm_<name>`` (vLLM reusing the prefix from its own cache)."""
+    for got, cold, warm in zip(
+        run[name]["outputs"], ref[f"cold_{name}"]["outputs"], ref[f"warm_{name}"]["outputs"], strict=True
+    ):
+        assert got["cached"] == cached, got
+        assert got["tokens"] == cold["tokens"]
+        assert_same_greedy(got, warm, tolerance)
 
 
 def same_outputs(got: dict[str, Any], want: dict[str, Any]) -> bool:

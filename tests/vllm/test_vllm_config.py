@@ -123,7 +123,7 @@ def test_geometry_and_refusals() -> None:
     scratch = np.zeros(65536, dtype=np.uint8)
     # The scheduler's lookup layout must name the same keys as the worker's engine layout.
     one_layer = kv_layout_from_tensors(caches[:1], block_size=128, page_bytes=65536, dtype="bfloat16")
-    assert group.lookup_layout(scratch).fingerprint == one_layer.fingerprint
+    assert group.lookup_layout(scratch, 128).fingerprint == one_layer.fingerprint
     with pytest.raises(ValueError, match="contiguous"):
         kv_layout_from_tensors(
             [caches[0].transpose(1, 2)], block_size=128, page_bytes=65536, dtype="bfloat16"
@@ -132,6 +132,63 @@ def test_geometry_and_refusals() -> None:
         kv_layout_from_tensors(
             [torch.zeros(2, 16, 2, 128, 64)], block_size=128, page_bytes=65536, dtype="bfloat16"
         )
+
+
+def test_state_groups_geometry_and_refusals() -> None:
+    """A gated-delta-net group in "align" mode: its lookup layout (the scheduler's) names the same
+    keys as the layout over the engine's state tensors (the worker's); other modes are refused."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
+
+    from aiokv.integrations.vllm.config import ConnectorConfig
+    from aiokv.integrations.vllm.geometry import engine_layout, kv_geometry
+    from aiokv.integrations.vllm.state_groups import check_state_support
+
+    full = FullAttentionSpec(block_size=256, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    state = MambaSpec(
+        block_size=256,
+        shapes=((3, 512), (4, 64, 64)),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=full.page_size_bytes,
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        mamba_cache_mode="align",
+    )
+    geometry = kv_geometry(_kv_cache_config(state, full))
+    group = geometry.groups[0]
+    assert geometry.has_state and [g.kind for g in geometry.groups] == ["state-gdn_attn", "full"]
+    assert group.state_parts == ((3072, "bfloat16"), (65536, "float32")) and group.block_bytes == 68608
+    assert group.chunk_bytes(4) == 68608 and geometry.groups[1].chunk_bytes(4) == 4 * 131072
+    # The engine's page: conv state then SSM state at its start, pages 131072 bytes apart.
+    pool = torch.zeros(16, 131072, dtype=torch.uint8)
+    conv = pool[:, :3072].view(torch.bfloat16).view(16, 3, 512)
+    ssm = pool[:, 3072 : 3072 + 65536].view(torch.float32).view(16, 4, 64, 64)
+    layout = engine_layout({"model.layers.0.self_attn.attn": [conv, ssm]}, group, 256)
+    assert layout.base_addrs.tolist() == [pool.data_ptr(), pool.data_ptr() + 3072]
+    assert layout.region_block_strides.tolist() == [131072, 131072] and layout.num_blocks == 16
+    assert layout.device == "cpu" and layout.dtype == "bfloat16+float32"
+    scratch = np.zeros(131072, dtype=np.uint8)
+    assert group.lookup_layout(scratch, 256).fingerprint == layout.fingerprint
+    assert group.lookup_layout(scratch, 512).fingerprint != layout.fingerprint  # chunk size is in keys
+    with pytest.raises(ValueError, match="not back to back"):
+        engine_layout({"model.layers.0.self_attn.attn": [ssm, conv]}, group, 256)
+    # vLLM's CPU runner registers the page itself (the state's bytes, then padding).
+    page = pool[:, :68608].view(16, 1, 1, 68608)
+    assert (
+        engine_layout({"model.layers.0.self_attn.attn": page}, group, 256).fingerprint == layout.fingerprint
+    )
+    with pytest.raises(ValueError, match="less than the 68608-byte state"):
+        engine_layout({"model.layers.0.self_attn.attn": pool[:, :4096]}, group, 256)
+    with pytest.raises(ValueError, match=r"only with mamba_cache_mode='align'.*runs mamba_cache_mode='none'"):
+        kv_geometry(_kv_cache_config(dataclasses.replace(state, mamba_cache_mode="none"), full))
+    with pytest.raises(ValueError, match="speculative"):
+        kv_geometry(_kv_cache_config(dataclasses.replace(state, num_speculative_blocks=1), full))
+    with pytest.raises(ValueError, match="key_format 'vllm' is not supported with linear-attention"):
+        check_state_support(geometry, ConnectorConfig.from_extra_config({"key_format": "vllm"}))
+    check_state_support(geometry, ConnectorConfig.from_extra_config({}))
 
 
 def test_vllm_key_format_is_vllms_own() -> None:

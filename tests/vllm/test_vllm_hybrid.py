@@ -15,15 +15,13 @@ private network namespace.
   in every group, so the wrong full-attention values it did load are never used, and outputs are right.
 - F, the same model with the hybrid allocator off (one full-attention group), finds none of A's keys.
 
-A linear-attention model (Qwen3-Next's gated delta net) is refused at start-up, with the reason; so is
-the host tier (backend "memory") on the hybrid model.
+The host tier (backend "memory") is refused at start-up on the hybrid model, with the reason.
+Linear-attention models (Qwen3-Next's gated delta net): tests/vllm/test_vllm_linear.py.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,14 +30,16 @@ from aiokv.testing.tiny_model import write_tiny_sliding_llama
 from tests.vllm.support import (
     BLOCK,
     MOONCAKE_ENV,
+    assert_each_gets_the_prefix,
     assert_same_greedy,
     connector,
     generate,
     greedy_tolerance,
+    key_logged_engine,
+    keys_of,
     overwrite,
     read_key_log,
     read_value,
-    require_vllm,
     run_engine,
     run_vllm_connector_engine,
     store_world,
@@ -66,34 +66,10 @@ def world(tmp_path_factory: pytest.TempPathFactory, mooncake_master: Any) -> Ite
 
 
 def with_connector(
-    world: dict[str, Any],
-    name: str,
-    steps: list[dict[str, Any]],
-    *,
-    backend: str = "tests.vllm.support:key_log_mooncake",
-    engine: dict[str, Any] | None = None,
-    env: dict[str, str] | None = None,
+    world: dict[str, Any], name: str, steps: list[dict[str, Any]], **options: Any
 ) -> dict[str, Any]:
     """An engine with the connector (one block per key), its puts and gets recorded (``run["keys"]``)."""
-    log = world["root"] / f"{name}.keys.jsonl"
-    kv = connector({"backend": backend, "mooncake_config": str(world["mooncake_config"]), "chunk_blocks": 1})
-    run = run_engine(
-        world["root"],
-        name,
-        model=world["model"],
-        engine=engine,
-        env={**MOONCAKE_ENV, "AIOKV_TEST_KEY_LOG": str(log), **(env or {})},
-        kv_transfer_config=kv,
-        steps=steps,
-    )
-    run["keys"] = read_key_log(log)
-    return run
-
-
-def keys_of(run: dict[str, Any], op: str, containing: str) -> list[str]:
-    found = [entry for entry in run["keys"] if entry["op"] == op]
-    assert all(code >= 0 for entry in found for code in entry["codes"]), found
-    return [key for entry in found for key in entry["keys"] if containing in key]
+    return key_logged_engine(world, name, steps, chunk_blocks=1, **options)
 
 
 @pytest.fixture(scope="module")
@@ -229,16 +205,7 @@ def test_concurrent_requests_sharing_a_stored_prefix(runs: dict[str, Any], world
     """Three requests sharing 1,536 of A's tokens arrive together at a fresh engine: each gets the
     shared blocks (from the store, or from the one that loaded them first), with the right outputs."""
     run = with_connector(world, "G", [generate("shared", SHARED), {"op": "stats"}])
-    limit = tolerance(runs["ref"])
-    for got, cold, warm in zip(
-        run["shared"]["outputs"],
-        runs["ref"]["cold_shared"]["outputs"],
-        runs["ref"]["warm_shared"]["outputs"],
-        strict=True,
-    ):
-        assert got["cached"] == SHARED_PREFIX
-        assert got["tokens"] == cold["tokens"]
-        assert_same_greedy(got, warm, limit)
+    assert_each_gets_the_prefix(run, runs["ref"], "shared", SHARED_PREFIX, tolerance(runs["ref"]))
     assert set(keys_of(run, "get", FULL_KEYS)) <= set(keys_of(runs["A"], "put", FULL_KEYS))
     assert len(set(keys_of(run, "get", FULL_KEYS))) == SHARED_PREFIX // BLOCK
     assert run["stats"]["events"].get("load_error_blocks", 0) == 0
@@ -297,80 +264,3 @@ def test_host_tier_is_refused_on_hybrid_engines(world: dict[str, Any]) -> None:
     message = str(failed.value)
     assert "supports models with one KV cache group; this model has 2" in message, message
     assert "swa256, full" in message, message
-
-
-# A 2-layer Qwen3-Next (gated delta net beside full attention): vLLM 0.32's CPU build runs it, with its
-# own prefix cache in mamba_cache_mode "align" (measured: 1,792 of 2,000 tokens reused).
-TINY_QWEN3_NEXT = {
-    "architectures": ["Qwen3NextForCausalLM"],
-    "model_type": "qwen3_next",
-    "vocab_size": 1024,
-    "hidden_size": 256,
-    "intermediate_size": 512,
-    "num_hidden_layers": 2,
-    "layer_types": ["linear_attention", "full_attention"],
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 64,
-    "linear_value_head_dim": 64,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "num_experts": 2,
-    "num_experts_per_tok": 1,
-    "moe_intermediate_size": 128,
-    "shared_expert_intermediate_size": 128,
-    "partial_rotary_factor": 0.25,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-    "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 32768,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
-
-
-def test_linear_attention_models_are_refused_with_the_reason(tmp_path: Path) -> None:
-    """The engine does not start with the connector, and says why (the weights do not matter here): the
-    reason is the connector's, not vLLM's (without a connector this engine runs the model:
-    ``test_vllm_runs_the_linear_attention_model_without_the_connector``)."""
-    require_vllm()
-    model = tmp_path / "tiny-qwen3-next"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(TINY_QWEN3_NEXT))
-    with pytest.raises(AssertionError) as failed:
-        run_engine(
-            tmp_path,
-            "qwen3-next",
-            model=model,
-            engine={"load_format": "dummy"},
-            kv_transfer_config=connector({"backend": "memory"}),
-            steps=[generate("p", [tokens(65, 600)])],
-        )
-    message = str(failed.value)
-    assert "does not support linear-attention / Mamba layers" in message, message
-    assert "MambaSpec" in message and "mamba_cache_mode='align'" in message, message
-    # The engine got as far as handing the connector its KV cache groups: vLLM accepted the model.
-    assert "vLLM runs this model kind" in message and "boundary_state_offloads" in message, message
-
-
-def test_vllm_runs_the_linear_attention_model_without_the_connector(tmp_path: Path) -> None:
-    """What makes the refusal above the connector's own: the same engine without a connector runs the
-    model (gated delta net on vLLM's CPU ops), and its own prefix cache reuses the state in
-    mamba_cache_mode "align" for the same prompt sent again."""
-    require_vllm()
-    model = tmp_path / "tiny-qwen3-next"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(TINY_QWEN3_NEXT))
-    prompt = tokens(65, 2000)
-    run = run_engine(
-        tmp_path,
-        "qwen3-next-alone",
-        model=model,
-        engine={"load_format": "dummy", "mamba_cache_mode": "align"},
-        steps=[generate("first", [prompt], logprobs=False), generate("again", [prompt], logprobs=False)],
-    )
-    assert only(run, "first")["cached"] == 0
-    assert only(run, "again")["cached"] >= 1024, only(run, "again")
-    assert len(only(run, "again")["tokens"]) == 8

@@ -30,6 +30,7 @@ from .keys import key_namespace
 from .metadata import AiokvConnectorMetadata, AiokvWorkerMetadata
 from .metrics import AiokvConnectorStats, AiokvPromMetrics
 from .scheduler import SchedulerSide
+from .state_groups import check_state_support
 from .worker import WorkerSide
 
 logger = logging.getLogger("aiokv.vllm")
@@ -52,7 +53,8 @@ def log_through_vllm() -> None:
 
 class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
     """Loads and stores full KV blocks through aiokv (Mooncake, or the embedded store). With vLLM's
-    hybrid allocator, each KV cache group (full attention, sliding window) is keyed and moved apart."""
+    hybrid allocator, each KV cache group (full attention, sliding window, linear-attention states in
+    mamba_cache_mode "align") is keyed and moved apart."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -64,6 +66,7 @@ class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         geometry = kv_geometry(kv_cache_config)
+        check_state_support(geometry, self.config)
         if geometry.hybrid and self.config.host_tier:
             # The tier's index and workers hold one group's chunks; per-group tiers are not built.
             raise ValueError(

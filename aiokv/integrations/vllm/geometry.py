@@ -29,18 +29,34 @@ class KVGeometry:
     dtype: str
     is_mla: bool
     sliding_window: int | None = None
+    # A linear-attention / Mamba group (state_groups.py): each block is one running state, per layer
+    # these (bytes, dtype) tensors back to back at the start of the page; ``state_kind`` names it.
+    state_parts: tuple[tuple[int, str], ...] = ()
+    state_kind: str = ""
 
     @property
     def num_layers(self) -> int:
         return len(self.layer_names)
 
     @property
+    def is_state(self) -> bool:
+        return bool(self.state_parts)
+
+    @property
     def block_bytes(self) -> int:
-        """The bytes of one block, over every layer of the group (what a key of one block holds)."""
-        return self.num_layers * self.page_bytes
+        """The bytes of one block, over every layer of the group (what a key of one block holds; a
+        state group's pages are padded, and only the state itself is moved)."""
+        per_layer = sum(size for size, _ in self.state_parts) if self.is_state else self.page_bytes
+        return self.num_layers * per_layer
+
+    def chunk_bytes(self, chunk_blocks: int) -> int:
+        """The bytes of one key's value: ``chunk_blocks`` blocks, or a state group's one state."""
+        return self.block_bytes if self.is_state else self.block_bytes * chunk_blocks
 
     @property
     def kind(self) -> str:
+        if self.is_state:
+            return self.state_kind
         if self.sliding_window is not None:
             return f"swa{self.sliding_window}"
         return "mla" if self.is_mla else "full"
@@ -52,11 +68,13 @@ class KVGeometry:
             return 0
         return max(0, (end * chunk_tokens - self.sliding_window) // chunk_tokens)
 
-    def lookup_layout(self, scratch: np.ndarray) -> KVLayout:
+    def lookup_layout(self, scratch: np.ndarray, chunk_tokens: int) -> KVLayout:
         """A layout with this geometry over one scratch page: a lookup client's worker never moves
         bytes, but its keys need the engine layout's fingerprint (which ignores addresses)."""
         if scratch.nbytes < self.page_bytes:
             raise ValueError(f"scratch buffer of {scratch.nbytes} bytes is smaller than a page")
+        if self.is_state:
+            return state_layout(self, [int(scratch.ctypes.data)] * self.num_layers, 1, chunk_tokens)
         return KVLayout(
             [int(scratch.ctypes.data)] * self.num_layers,
             [self.page_bytes],
@@ -90,6 +108,32 @@ class EngineGeometry:
     def max_page_bytes(self) -> int:
         return max(group.page_bytes for group in self.groups)
 
+    @property
+    def has_state(self) -> bool:
+        """Whether a group holds linear-attention / Mamba states (state_groups.py)."""
+        return any(group.is_state for group in self.groups)
+
+
+def state_layout(
+    geometry: KVGeometry, bases: Sequence[int], num_blocks: int, chunk_tokens: int, device: str = "cpu"
+) -> KVLayout:
+    """A state group's layout: per layer (page ``b`` at ``bases[layer] + b * page_bytes``), one region
+    per state tensor. One block is one key: it stands for the ``chunk_tokens`` tokens whose state it is,
+    and that size is in the fingerprint (an engine of other chunks never reads it)."""
+    offsets, offset = [], 0
+    for size, _ in geometry.state_parts:
+        offsets.append(offset)
+        offset += size
+    return KVLayout(
+        [base + start for base in bases for start in offsets],
+        [size for size, _ in geometry.state_parts],
+        block_size=chunk_tokens,
+        num_blocks=num_blocks,
+        dtype="+".join(dtype for _, dtype in geometry.state_parts),
+        block_strides=[geometry.page_bytes],
+        device=device,
+    )
+
 
 def usable_from(block_ids: Sequence[int], chunk_blocks: int) -> int:
     """The first chunk of ``block_ids`` (whole chunks of ``chunk_blocks``) after the last chunk holding
@@ -111,6 +155,8 @@ def kv_geometry(kv_cache_config: Any) -> EngineGeometry:
         SlidingWindowSpec,
     )
 
+    from .state_groups import state_geometry
+
     groups = list(kv_cache_config.kv_cache_groups)
     if not groups:
         raise ValueError("AiokvConnector: the engine has no KV cache group")
@@ -118,24 +164,13 @@ def kv_geometry(kv_cache_config: Any) -> EngineGeometry:
     for index, group in enumerate(groups):
         spec = group.kv_cache_spec
         if isinstance(spec, MambaSpec):
-            # vLLM's "align" mode keeps a state reusable only at the boundaries it hands the connector
-            # (kv_connector_block_state.boundary_state_offloads); a block of the state group is not a
-            # block of tokens, and moving it as one would store running states under prefix keys.
-            raise ValueError(
-                f"AiokvConnector does not support linear-attention / Mamba layers (KV cache group {index}: "
-                f"{type(spec).__name__}, mamba_cache_mode={getattr(spec, 'mamba_cache_mode', None)!r}, "
-                f"layers {', '.join(list(group.layer_names)[:2])}). vLLM runs this model kind (its CPU "
-                "build too), but AiokvConnector does not yet store or load recurrent state: it would "
-                "have to take the states vLLM hands over at reusable boundaries in 'align' mode "
-                "(kv_connector_block_state.boundary_state_offloads) and load one at a hit's end. Run "
-                "this model without it (vLLM's own prefix cache reuses such states in 'align' mode). "
-                "Supported: full attention, MLA and sliding window; see docs/vllm.md"
-            )
+            geometries.append(state_geometry(index, group.layer_names, spec))
+            continue
         # Exact types: a subclass (chunked local attention, sinks, ...) may change what a block means.
         if type(spec) not in (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec):
             raise ValueError(
                 f"AiokvConnector: KV cache group {index} is a {type(spec).__name__} group; supported: "
-                "full attention, MLA and sliding window"
+                "full attention, MLA, sliding window and linear attention / Mamba (mamba_cache_mode 'align')"
             )
         # A FullAttentionSpec with a sliding window (hybrid manager off) still keeps every token's KV in
         # its blocks, so its blocks are whole and safe to store and load.
@@ -148,6 +183,10 @@ def kv_geometry(kv_cache_config: Any) -> EngineGeometry:
                 is_mla=type(spec) is MLAAttentionSpec,
                 sliding_window=int(spec.sliding_window) if type(spec) is SlidingWindowSpec else None,
             )
+        )
+    if any(geometry.is_state for geometry in geometries) and all(g.is_state for g in geometries):
+        raise ValueError(
+            "AiokvConnector: a model of linear-attention / Mamba layers only has no prefix to key"
         )
     sizes = {geometry.block_size for geometry in geometries}
     if len(sizes) > 1:
@@ -188,13 +227,17 @@ def kv_layout_from_tensors(
     return layout
 
 
-def engine_layout(kv_caches: Mapping[str, Any], geometry: KVGeometry) -> KVLayout:
+def engine_layout(kv_caches: Mapping[str, Any], geometry: KVGeometry, chunk_tokens: int) -> KVLayout:
     """The aiokv layout of the engine's KV cache, layers in vLLM's registration order."""
     names = set(geometry.layer_names)
     missing = names - set(kv_caches)
     if missing:
         raise ValueError(f"vLLM registered no KV cache for layer(s) {sorted(missing)}")
     tensors = [tensor for name, tensor in kv_caches.items() if name in names]
+    if geometry.is_state:
+        from .state_groups import state_engine_layout
+
+        return state_engine_layout(tensors, geometry, chunk_tokens)
     if not all(hasattr(tensor, "data_ptr") for tensor in tensors):
         raise ValueError("AiokvConnector needs one tensor per layer (not a list of state tensors)")
     return kv_layout_from_tensors(

@@ -22,28 +22,18 @@ from ...leases import LeaseBudget
 from .clients import acquire_backend, at_exit, release_backend
 from .config import ConnectorConfig
 from .geometry import EngineGeometry, usable_from
+from .group_lookups import GroupLookup
 from .group_workers import GroupWorkers
 from .host_tier import LookupClient, scheduler_tier
 from .keys import hashed_prompt, key_namespace
 from .load_policy import Decision, LoadPolicy
 from .metadata import AiokvConnectorMetadata, TransferSpec
+from .state_groups import StateGroups
 from .stats_reporter import CounterDeltas
 
 logger = logging.getLogger("aiokv.vllm")
 
 LOOKUP_LEASE_CACHES = 2  # the scheduler's lookups may hold leases on this many KV caches' worth of chunks
-
-
-@dataclass
-class _Lookup:
-    futures: list[concurrent.futures.Future[int]]  # one per KV cache group
-    prompt: HashedPrompt
-    deadline: float
-    # Second round, for sliding-window groups whose leading run is shorter than the other groups':
-    # do they hold the window before the hit's end (all the engine reads)? Per group, its chunks
-    # found from the window's first chunk.
-    window: dict[int, tuple[int, concurrent.futures.Future[int]]] | None = None
-    end: int = 0  # the hit (in chunks) the second round checks
 
 
 @dataclass
@@ -85,7 +75,7 @@ class SchedulerSide:
         self._groups: GroupWorkers | None = None
         if self._backend is not None and self.can_load:
             self._groups = GroupWorkers(
-                [group.lookup_layout(self._scratch) for group in geometry.groups],
+                [group.lookup_layout(self._scratch, self.chunk_tokens) for group in geometry.groups],
                 self._backend,
                 [
                     key_namespace(vllm_config, config, geometry, tp_rank=0, pp_rank=0, group=index)
@@ -109,7 +99,7 @@ class SchedulerSide:
             self._clients = [self._tier.lookup_client(self._clients[0] if self._clients else None)]
         at_exit(self.shutdown)
         self._requests: dict[str, Any] = {}
-        self._lookups: dict[str, _Lookup] = {}
+        self._lookups: dict[str, GroupLookup] = {}
         self._hits: dict[str, _Hit] = {}
         self._loads: list[TransferSpec] = []
         self._loading: set[str] = set()
@@ -122,7 +112,10 @@ class SchedulerSide:
         self._with_stores: set[str] = set()
         # Load only what beats recomputing (load_policy.py); None: every hit is loaded.
         self._policy = LoadPolicy(config.backend) if config.decline_slow_loads and self._clients else None
-        self._chunk_bytes = config.chunk_blocks * sum(g.block_bytes for g in geometry.groups)
+        self._chunk_bytes = sum(g.chunk_bytes(config.chunk_blocks) for g in geometry.groups)
+        # Linear-attention / Mamba groups: their states are asked for, stored and loaded apart.
+        self._states = StateGroups(geometry, config)
+        self._attention = [g for g, group in enumerate(geometry.groups) if not group.is_state]
         self.counters: Counter[str] = Counter()
         self._deltas = CounterDeltas()
 
@@ -149,7 +142,8 @@ class SchedulerSide:
             chunks = -(-tokens // self.chunk_tokens)
             hit.decision = self._policy.decide(chunks, self.chunk_tokens, self._chunk_bytes, time.monotonic())
             tokens = min(tokens, hit.decision.chunks * self.chunk_tokens)
-            if not tokens:
+            if not tokens or (self._states and tokens < hit.tokens - num_computed_tokens):
+                # A shorter load would end where no state was looked up: all or nothing.
                 return 0, False
         return tokens, self.config.load_async
 
@@ -165,16 +159,17 @@ class SchedulerSide:
             if not prompt.hashes or not self._clients:
                 return _Hit(prompt, 0)
             try:
-                futures = [client.lookup_many([prompt])[0] for client in self._clients]
+                futures = [self._clients[g].lookup_many([prompt])[0] for g in self._attention]
+                states = self._states.ask(self._clients, prompt, request.num_tokens) if self._states else {}
             except Exception as exc:
                 logger.warning("aiokv: lookup for %s refused (%s); treated as a miss", req_id, exc)
                 return _Hit(prompt, 0)
-            lookup = self._lookups[req_id] = _Lookup(
-                futures, prompt, time.monotonic() + self.config.lookup_timeout_s
+            lookup = self._lookups[req_id] = GroupLookup(
+                futures, prompt, time.monotonic() + self.config.lookup_timeout_s, states=states
             )
             # A short wait answers most lookups at the first ask; the rest are asked again next step.
-            concurrent.futures.wait(futures, timeout=self.config.lookup_wait_s)
-        pending = [*lookup.futures, *(future for _, future in (lookup.window or {}).values())]
+            concurrent.futures.wait(lookup.pending(), timeout=self.config.lookup_wait_s)
+        pending = lookup.pending()
         if not all(future.done() for future in pending):
             if time.monotonic() < lookup.deadline:
                 return None
@@ -184,9 +179,12 @@ class SchedulerSide:
                 future.cancel()
             return _Hit(lookup.prompt, 0)
         try:
-            if lookup.window is None and self._ask_windows(lookup):
+            groups = [self.geometry.groups[g] for g in self._attention]
+            clients = [self._clients[g] for g in self._attention]
+            wait = self.config.lookup_wait_s
+            if lookup.window is None and lookup.ask_windows(groups, clients, self.chunk_tokens, wait):
                 return None
-            chunks = self._found_chunks(lookup)
+            chunks = lookup.found_chunks(self.chunk_tokens, self._states)
         except Exception as exc:
             logger.warning("aiokv: lookup for %s failed (%s); treated as a miss", req_id, exc)
             chunks = 0
@@ -194,38 +192,6 @@ class SchedulerSide:
         tokens = chunks * self.chunk_tokens
         found = HashedPrompt(lookup.prompt.hashes[:chunks], self.chunk_tokens)
         return _Hit(found, self._hit_tokens(request, tokens))
-
-    def _ask_windows(self, lookup: _Lookup) -> bool:
-        """After the first round: ask the sliding-window groups whose leading run ends before the other
-        groups' for the window before that end (vLLM's own connector stores only such windows).
-        True if a second round was asked."""
-        found = [int(future.result()) // self.chunk_tokens for future in lookup.futures]
-        groups = self.geometry.groups
-        others = [n for n, group in zip(found, groups, strict=True) if group.sliding_window is None]
-        lookup.end = end = min(others, default=len(lookup.prompt.hashes))
-        short = [g for g, group in enumerate(groups) if group.sliding_window is not None and found[g] < end]
-        if not short or not end:
-            return False
-        lookup.window = {}
-        for g in short:
-            first = groups[g].window_first_chunk(end, self.chunk_tokens)
-            window = HashedPrompt(lookup.prompt.hashes[first:end], self.chunk_tokens)
-            lookup.window[g] = (first, self._clients[g].lookup_many([window])[0])
-        concurrent.futures.wait(
-            [future for _, future in lookup.window.values()], timeout=self.config.lookup_wait_s
-        )
-        return True
-
-    def _found_chunks(self, lookup: _Lookup) -> int:
-        """The leading chunks every group can serve: the other groups' run if each sliding-window group
-        holds its window before the run's end, else the shortest leading run of any group."""
-        leading = min(int(future.result()) for future in lookup.futures) // self.chunk_tokens
-        if lookup.window is None:
-            return leading
-        for first, future in lookup.window.values():
-            if int(future.result()) // self.chunk_tokens < lookup.end - first:
-                return leading
-        return lookup.end
 
     def _hit_tokens(self, request: Any, found: int) -> int:
         """The hit to tell vLLM for ``found`` leading tokens in the store. vLLM must compute at least
@@ -266,7 +232,8 @@ class SchedulerSide:
         vLLM allocated in each KV cache group. A chunk is loaded only if every one of its blocks was
         allocated (a load never writes a block the request was not given); the blocks of the hit left
         unloaded are reported failed, so vLLM recomputes them instead of reading what they hold. A
-        sliding-window group gets null blocks before its window: only the chunks after them load."""
+        sliding-window group gets null blocks before its window: only the chunks after them load. A
+        state group loads the state at the hit's end (state_groups.py)."""
         first = hit.local // self.chunk_tokens
         end_token = hit.local + num_external_tokens
         wanted = min(-(-end_token // self.chunk_tokens), len(hit.prompt.hashes))
@@ -274,7 +241,13 @@ class SchedulerSide:
         last = max(first, min(wanted, allocated))
         end = last * self.chunk_blocks
         block_ids, first_chunks, unloaded = [], [], []
-        for ids in group_block_ids:
+        for group, ids in enumerate(group_block_ids):
+            if self.geometry.groups[group].is_state:
+                state, missing = self._states.load_blocks(ids, end_token, end * self.block_size)
+                first_chunks.append(last - first - 1)
+                block_ids.append(state)
+                unloaded.append(missing)
+                continue
             window = max(first, usable_from(ids[:end], self.chunk_blocks))
             first_chunks.append(window - first)
             block_ids.append(tuple(int(b) for b in ids[window * self.chunk_blocks : end]))
@@ -332,6 +305,7 @@ class SchedulerSide:
             table = block_state.get_block_ids(req_id) if block_state is not None else None
             if table is None:
                 continue
+            table = self._states.without_states(table)  # their states come from vLLM's hand-offs
             prompt = self._prompts.get(req_id)
             if prompt is None or len(prompt.hashes) < chunks:
                 prompt = self._prompts[req_id] = hashed_prompt(
@@ -340,6 +314,10 @@ class SchedulerSide:
             meta.stores.append(self._store_spec(req_id, prompt, table, done, chunks))
             self._stored_chunks[req_id] = chunks
             self._with_stores.add(req_id)
+        if self._states and block_state is not None:
+            states = self._states.stores(block_state, self._requests)
+            meta.stores += states
+            self._with_stores.update(spec.req_id for spec in states)
         return self._with_tier(meta)
 
     def _with_tier(self, meta: AiokvConnectorMetadata) -> AiokvConnectorMetadata:
@@ -426,7 +404,7 @@ class SchedulerSide:
 
     def shutdown(self) -> None:
         for lookup in self._lookups.values():
-            for future in lookup.futures:
+            for future in lookup.pending():
                 future.cancel()
         self._clients = []
         if self._groups is not None:

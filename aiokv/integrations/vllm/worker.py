@@ -113,7 +113,7 @@ class WorkerSide:
         self.meter: LoadMeter | None = None
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
-        layouts = [engine_layout(kv_caches, group) for group in self.geometry.groups]
+        layouts = [engine_layout(kv_caches, group, self.chunk_tokens) for group in self.geometry.groups]
         first = next(iter(kv_caches.values()))
         self._on_cuda = first.device.type == "cuda"
         if self._on_cuda and self.config.host_tier:
@@ -149,7 +149,7 @@ class WorkerSide:
         if self.config.decline_slow_loads:
             self.meter = LoadMeter(
                 self.config.backend,
-                [group.block_bytes * self.config.chunk_blocks for group in self.geometry.groups],
+                [group.chunk_bytes(self.config.chunk_blocks) for group in self.geometry.groups],
                 on_cuda=self._on_cuda,
             )
         at_exit(self.shutdown)
@@ -183,13 +183,14 @@ class WorkerSide:
             if any(not future.done() for future in futures):
                 self.events["preemptions_waited"] += 1
                 _wait_all(futures, f"preempted request {req_id}")
-        if any(group.sliding_window is not None for group in self.geometry.groups):
-            # vLLM frees a sliding window's older blocks as requests advance, between steps and without
-            # telling the connector: a store of earlier steps must be done before they can be reused.
+        if self.geometry.has_state or any(group.sliding_window is not None for group in self.geometry.groups):
+            # vLLM frees a sliding window's older blocks, and a state group's handed-over states, as
+            # requests advance, between steps and without telling the connector: a store of earlier
+            # steps must be done before they can be reused.
             pending = [future for futures in self._stores.values() for future in futures if not future.done()]
             if pending:
-                self.events["window_stores_waited"] += 1
-                _wait_all(pending, "stores of sliding-window blocks")
+                self.events["state_stores_waited" if self.geometry.has_state else "window_stores_waited"] += 1
+                _wait_all(pending, "stores of blocks vLLM may free (sliding windows, states)")
 
     def start_load_kv(self, meta: AiokvConnectorMetadata) -> None:
         if self.tier is not None:

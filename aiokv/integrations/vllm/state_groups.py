@@ -1,0 +1,212 @@
+"""Linear-attention / Mamba KV cache groups (Qwen3-Next's gated delta net, ...) in vLLM's "align" mode.
+
+Such a group's block is not a block of tokens: it is the running state after some position, kept by
+vLLM at block-aligned positions only. Its table is not positional either (interior states are nulled
+and freed as the request advances), so a state is stored only when vLLM hands it over with its exact
+block (``kv_connector_block_state.boundary_state_offloads``: ``(group, block, tokens)``), under the
+chunk digest of the prefix it ends (the key of the chunk ending at ``tokens``, in the group's own
+namespace). A hit ends where every attention group holds the chunks before it and every state group
+holds the state at that very position; the state is loaded into the block vLLM allocates for it (the
+last block of the hit in the group's table). Other modes are refused.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from ...keys import HashedPrompt
+from ...layout import KVLayout
+from .config import ConnectorConfig
+from .geometry import NULL_BLOCK_ID, EngineGeometry, KVGeometry, state_layout
+from .keys import hashed_prompt
+from .metadata import TransferSpec
+
+
+def state_geometry(index: int, layer_names: Sequence[str], spec: Any) -> KVGeometry:
+    """The geometry of vLLM's ``MambaSpec`` group ``index``, or ``ValueError`` saying why not."""
+    import torch
+
+    mode = getattr(spec, "mamba_cache_mode", None)
+    layers = ", ".join(list(layer_names)[:2])
+    if mode != "align":
+        raise ValueError(
+            f"AiokvConnector supports linear-attention / Mamba layers (KV cache group {index}: "
+            f"{type(spec).__name__}, layers {layers}) only with mamba_cache_mode='align'; this engine "
+            f"runs mamba_cache_mode={mode!r}. Only 'align' keeps states at block-aligned positions and "
+            "hands each one to the connector with its exact block "
+            "(kv_connector_block_state.boundary_state_offloads); in other modes a state is one running "
+            "value per request that no prefix key can name. Start the engine with mamba_cache_mode='align'"
+        )
+    if int(getattr(spec, "num_speculative_blocks", 0)):
+        raise ValueError(
+            f"AiokvConnector: KV cache group {index} ({type(spec).__name__}) keeps speculative state "
+            "blocks (speculative decoding); their states are not stored or loaded: run without it"
+        )
+    parts = []
+    for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
+        elements = 1
+        for size in shape:
+            elements *= int(size)
+        parts.append(
+            (elements * torch.empty((), dtype=dtype).element_size(), str(dtype).removeprefix("torch."))
+        )
+    page = int(spec.page_size_bytes)
+    if sum(size for size, _ in parts) > page:
+        raise ValueError(
+            f"AiokvConnector: KV cache group {index}'s state is larger than its page ({page} bytes)"
+        )
+    mamba_type = getattr(spec, "mamba_type", None)
+    name = str(getattr(mamba_type, "name", mamba_type or "mamba")).lower()
+    return KVGeometry(
+        layer_names=tuple(layer_names),
+        block_size=int(spec.block_size),
+        page_bytes=page,
+        dtype="+".join(dtype for _, dtype in parts),
+        is_mla=False,
+        state_parts=tuple(parts),
+        state_kind=f"state-{name}",
+    )
+
+
+def state_engine_layout(tensors: Sequence[Any], geometry: KVGeometry, chunk_tokens: int) -> KVLayout:
+    """A state group's layout over the engine's tensors: per layer, the tensor vLLM registered (its
+    page, or its list of state tensors, which start at the page)."""
+    bases = []
+    num_blocks = None
+    for index, tensor in enumerate(tensors):
+        first = _first(tensor)
+        blocks, page = int(first.shape[0]), int(first.stride()[0]) * int(first.element_size())
+        if page != geometry.page_bytes or (num_blocks is not None and blocks != num_blocks):
+            raise ValueError(
+                f"unsupported state tensor {index}: {blocks} blocks {page} bytes apart; the KV cache spec "
+                f"says {geometry.page_bytes}-byte pages"
+            )
+        if str(first.device) != str(device := _first(tensors[0]).device):
+            raise ValueError(f"state tensor {index} lives on {first.device}, the first on {device}")
+        num_blocks = blocks
+        bases.append(int(first.data_ptr()))
+        state_bytes = sum(size for size, _ in geometry.state_parts)
+        if isinstance(tensor, (list, tuple)):
+            offsets = [int(part.data_ptr()) - bases[-1] for part in tensor]
+            expected = [
+                sum(size for size, _ in geometry.state_parts[:i]) for i in range(len(geometry.state_parts))
+            ]
+            if offsets != expected:
+                raise ValueError(
+                    f"state tensor {index}'s parts lie at {offsets}, not back to back at {expected}"
+                )
+        elif math.prod(int(n) for n in first.shape[1:]) * int(first.element_size()) < state_bytes:
+            raise ValueError(f"state tensor {index}'s pages hold less than the {state_bytes}-byte state")
+    if num_blocks is None:
+        raise ValueError("no state tensors to register")
+    return state_layout(geometry, bases, num_blocks, chunk_tokens, str(_first(tensors[0]).device))
+
+
+def _first(tensor: Any) -> Any:
+    """The tensor vLLM registered for a layer, or the first of its list of state tensors."""
+    return tensor[0] if isinstance(tensor, (list, tuple)) else tensor
+
+
+def check_state_support(geometry: EngineGeometry, config: ConnectorConfig) -> None:
+    """What the connector does not do with state groups, refused at start-up with the reason."""
+    if not geometry.has_state:
+        return
+    if config.key_format == "vllm":
+        raise ValueError(
+            "AiokvConnector: key_format 'vllm' is not supported with linear-attention / Mamba layers "
+            "(vLLM's connector keys their states its own way); use key_format 'aiokv'"
+        )
+
+
+class StateGroups:
+    """The scheduler's part of the state groups: which states to store, ask for and load."""
+
+    def __init__(self, geometry: EngineGeometry, config: ConnectorConfig) -> None:
+        self.groups = [g for g, group in enumerate(geometry.groups) if group.is_state]
+        self.num_groups = len(geometry.groups)
+        self.block_size = geometry.block_size
+        self.chunk_tokens = config.chunk_blocks * geometry.block_size
+        self.config = config
+
+    def __bool__(self) -> bool:
+        return bool(self.groups)
+
+    # -- lookups --------------------------------------------------------------------------------
+
+    def ask(
+        self, clients: Sequence[Any], prompt: HashedPrompt, num_tokens: int
+    ) -> dict[int, list[concurrent.futures.Future[int]]]:
+        """Per state group, whether it holds the state after each chunk of ``prompt`` (a future per
+        chunk end). Only ends that leave a token to compute: vLLM then computes from the state."""
+        ends = min(len(prompt.hashes), (num_tokens - 1) // self.chunk_tokens)
+        singles = [HashedPrompt((digest,), self.chunk_tokens) for digest in prompt.hashes[:ends]]
+        return {g: list(clients[g].lookup_many(singles)) if singles else [] for g in self.groups}
+
+    @staticmethod
+    def hit(chunks: int, states: dict[int, list[concurrent.futures.Future[int]]]) -> int:
+        """The longest hit of at most ``chunks`` (what the attention groups serve) at whose end every
+        state group holds its state; 0 if none."""
+        for end in range(chunks, 0, -1):
+            if all(len(futures) >= end and int(futures[end - 1].result()) > 0 for futures in states.values()):
+                return end
+        return 0
+
+    # -- loads ----------------------------------------------------------------------------------
+
+    def load_blocks(
+        self, ids: Sequence[int], end_token: int, loaded_end: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A state group's part of a load ending at ``end_token`` (chunks loaded up to token
+        ``loaded_end``): ``((block,), ())`` to load the state into, or ``((), unloaded)`` when the load
+        cannot end there (vLLM then recomputes the request in every group)."""
+        index = end_token // self.block_size - 1
+        if end_token == loaded_end and end_token % self.chunk_tokens == 0 and 0 <= index < len(ids):
+            block = int(ids[index])
+            if block != NULL_BLOCK_ID:
+                return (block,), ()
+        return (), tuple(int(b) for b in ids[: index + 1]) or (NULL_BLOCK_ID,)
+
+    # -- stores ---------------------------------------------------------------------------------
+
+    def without_states(self, table: Sequence[Sequence[int]]) -> Sequence[Sequence[int]]:
+        """A request's block table with the state groups' left out: their tables are not positional
+        (their states are stored from vLLM's hand-offs only)."""
+        if not self.groups:
+            return table
+        return tuple(() if g in self.groups else ids for g, ids in enumerate(table))
+
+    def stores(self, block_state: Any, requests: dict[str, Any]) -> list[TransferSpec]:
+        """This step's states handed over at chunk ends, one spec each: the state's block under the key
+        of the chunk its prefix ends with. Ends past the prompt only with ``save_decode_cache``."""
+        offloads = getattr(block_state, "boundary_state_offloads", None) or {}
+        specs = []
+        for req_id, entries in offloads.items():
+            request = requests.get(req_id)
+            if request is None:
+                continue
+            for group, block, tokens in entries:
+                if group not in self.groups or int(block) == NULL_BLOCK_ID:
+                    continue
+                if (
+                    tokens <= 0
+                    or tokens % self.chunk_tokens
+                    or tokens // self.block_size > len(request.block_hashes)
+                ):
+                    continue
+                if not self.config.save_decode_cache and tokens > request.num_prompt_tokens:
+                    continue
+                prompt = hashed_prompt(
+                    request.block_hashes, tokens // self.block_size, self.config, self.block_size
+                )
+                specs.append(
+                    TransferSpec(
+                        req_id,
+                        HashedPrompt(prompt.hashes[-1:], self.chunk_tokens),
+                        tuple((int(block),) if g == group else () for g in range(self.num_groups)),
+                        (0,) * self.num_groups,
+                    )
+                )
+        return specs
