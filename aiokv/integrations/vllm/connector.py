@@ -185,8 +185,9 @@ class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
 
     def stats(self) -> dict[str, Any]:
         """Worker side: the connector's events (``stores_submitted``, ``loads_submitted``,
-        ``preemptions_waited``, ``load_error_blocks``) and aiokv's worker counters. Scheduler side: the
-        load policy's counters (hit tokens declined, and why) and estimates."""
+        ``preemptions_waited``, ``load_error_blocks``) and aiokv's worker counters. Scheduler side: its
+        counters (``lookups_deferred``) and the load policy's (hit tokens declined, and why) with its
+        estimates."""
         if self._scheduler is not None:
             return self._scheduler.stats()
         return self._work().stats()
