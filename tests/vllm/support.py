@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -249,6 +249,27 @@ def near_tie_gap(got: dict[str, Any], want: dict[str, Any], at: int) -> float:
         if other in top:
             gaps.append(run["logprobs"][at] - top[other])
     return min(gaps)
+
+
+def server_reference(
+    server: Any, scenario: Sequence[Sequence[int]], also_alone: Sequence[Sequence[int]] = ()
+) -> dict[str, Any]:
+    """A no-connector server's reference: every distinct prompt of ``scenario`` and ``also_alone``
+    answered alone ("solo", keyed by the prompt as a tuple), then ``scenario`` at once ("concurrent")."""
+    distinct = {tuple(prompt): prompt for prompt in [*scenario, *also_alone]}
+    solo = {key: server.complete(prompt).as_output() for key, prompt in distinct.items()}
+    concurrent = [completion.as_output() for completion in server.complete_all(scenario)]
+    return {"solo": solo, "concurrent": concurrent}
+
+
+def solo_vs_concurrent_tolerance(reference: dict[str, Any], scenario: Sequence[Sequence[int]]) -> float:
+    """The control of a server scenario: the same prompts alone and concurrently on the no-connector
+    server (batching moves logprobs on CPUs without AMX; nothing with AMX)."""
+    pairs = [
+        (reference["solo"][tuple(prompt)], got)
+        for prompt, got in zip(scenario, reference["concurrent"], strict=True)
+    ]
+    return greedy_tolerance(pairs)
 
 
 def greedy_tolerance(controls: list[tuple[dict[str, Any], dict[str, Any]]]) -> float:

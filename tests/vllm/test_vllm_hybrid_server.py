@@ -35,7 +35,8 @@ from tests.vllm.support import (
     ROOT,
     assert_same_greedy,
     connector,
-    greedy_tolerance,
+    server_reference,
+    solo_vs_concurrent_tolerance,
     store_world,
     tokens,
 )
@@ -78,21 +79,13 @@ def aiokv_connector(world: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def reference(world: dict[str, Any]) -> dict[str, Any]:
-    """No connector: every prompt alone ("solo", keyed by the prompt), then the scenario at once."""
-    distinct = {tuple(prompt): prompt for prompt in SCENARIO}
     with serve(world, "reference") as server:
-        solo = {key: server.complete(prompt).as_output() for key, prompt in distinct.items()}
-        concurrent = [c.as_output() for c in server.complete_all(SCENARIO)]
-    return {"solo": solo, "concurrent": concurrent}
+        return server_reference(server, SCENARIO)
 
 
 @pytest.fixture(scope="module")
 def tolerance(reference: dict[str, Any]) -> float:
-    pairs = [
-        (reference["solo"][tuple(prompt)], got)
-        for prompt, got in zip(SCENARIO, reference["concurrent"], strict=True)
-    ]
-    return greedy_tolerance(pairs)
+    return solo_vs_concurrent_tolerance(reference, SCENARIO)
 
 
 @pytest.fixture(scope="module")

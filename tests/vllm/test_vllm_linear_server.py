@@ -35,8 +35,9 @@ from tests.vllm.support import (
     ROOT,
     assert_same_greedy,
     connector,
-    greedy_tolerance,
     read_key_log,
+    server_reference,
+    solo_vs_concurrent_tolerance,
     store_world,
     tokens,
 )
@@ -76,20 +77,13 @@ def aiokv_connector(world: dict[str, Any], backend: str = "mooncake") -> dict[st
 
 @pytest.fixture(scope="module")
 def reference(world: dict[str, Any]) -> dict[str, Any]:
-    """No connector: every prompt alone ("solo", keyed by the prompt), then the scenario at once."""
     with serve(world, "reference") as server:
-        solo = {tuple(p): server.complete(p).as_output() for p in [P, *SCENARIO]}
-        concurrent = [c.as_output() for c in server.complete_all(SCENARIO)]
-    return {"solo": solo, "concurrent": concurrent}
+        return server_reference(server, SCENARIO, [P])
 
 
 @pytest.fixture(scope="module")
 def tolerance(reference: dict[str, Any]) -> float:
-    pairs = [
-        (reference["solo"][tuple(prompt)], got)
-        for prompt, got in zip(SCENARIO, reference["concurrent"], strict=True)
-    ]
-    return greedy_tolerance(pairs)
+    return solo_vs_concurrent_tolerance(reference, SCENARIO)
 
 
 def stored_states(log: Any) -> int:

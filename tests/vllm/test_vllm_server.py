@@ -43,8 +43,9 @@ from tests.vllm.support import (
     ROOT,
     assert_same_greedy,
     connector,
-    greedy_tolerance,
     read_key_log,
+    server_reference,
+    solo_vs_concurrent_tolerance,
     store_world,
     tokens,
     vllm_mooncake_connector,
@@ -111,23 +112,13 @@ def wait_until(condition: Any, timeout: float, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def reference(world: dict[str, Any]) -> dict[str, Any]:
-    """No connector: every prompt alone ("solo", keyed by the prompt), then the scenario at once."""
-    distinct = {tuple(prompt): prompt for prompt in [*SCENARIO, *STOPPED, *DRAINED]}
     with serve(world, "reference") as server:
-        solo = {key: server.complete(prompt).as_output() for key, prompt in distinct.items()}
-        concurrent = outputs(server.complete_all(SCENARIO))
-    return {"solo": solo, "concurrent": concurrent}
+        return server_reference(server, SCENARIO, [*STOPPED, *DRAINED])
 
 
 @pytest.fixture(scope="module")
 def tolerance(reference: dict[str, Any]) -> float:
-    """The control: the same prompts alone and concurrently on the no-connector server (batching moves
-    logprobs on CPUs without AMX; nothing with AMX)."""
-    pairs = [
-        (reference["solo"][tuple(prompt)], got)
-        for prompt, got in zip(SCENARIO, reference["concurrent"], strict=True)
-    ]
-    return greedy_tolerance(pairs)
+    return solo_vs_concurrent_tolerance(reference, SCENARIO)
 
 
 def scenario_mismatches(got: list[dict[str, Any]], reference: dict[str, Any], tolerance: float) -> list[str]:
