@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -249,6 +250,21 @@ def near_tie_gap(got: dict[str, Any], want: dict[str, Any], at: int) -> float:
         if other in top:
             gaps.append(run["logprobs"][at] - top[other])
     return min(gaps)
+
+
+def wait_until(condition: Any, timeout: float, what: str) -> None:
+    """Poll ``condition`` every half second; AssertionError naming ``what`` if ``timeout`` passes first
+    (a bound on a wait, never a speed figure)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.5)
+
+
+def cold_and_warm(suffix: str, prompt: list[int]) -> list[dict[str, Any]]:
+    """Reference steps for one prompt: ``cold<suffix>`` computed whole, ``warm<suffix>`` with vLLM's own
+    prefix cache reusing its blocks, then the cache emptied."""
+    return [generate(f"cold{suffix}", [prompt]), generate(f"warm{suffix}", [prompt]), {"op": "evict"}]
 
 
 def server_reference(

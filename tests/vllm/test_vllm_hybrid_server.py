@@ -20,7 +20,6 @@ Run inside a private network namespace.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,6 +38,7 @@ from tests.vllm.support import (
     solo_vs_concurrent_tolerance,
     store_world,
     tokens,
+    wait_until,
 )
 
 pytestmark = pytest.mark.mooncake
@@ -93,10 +93,11 @@ def loading_server(world: dict[str, Any], reference: dict[str, Any]) -> Iterator
     """Server A stores P and Q until it hits every whole chunk of both itself; then a fresh server B."""
     with serve(world, "A", aiokv_connector(world)) as server:
         server.complete_all([P, Q])
-        deadline = time.monotonic() + STORE_SETTLE_S
-        while [server.complete(p, logprobs=None).cached for p in (P, Q)] != [whole_chunks(2000)] * 2:
-            assert time.monotonic() < deadline, "server A never hit its own stores of P and Q"
-            time.sleep(1)
+        wait_until(
+            lambda: [server.complete(p, logprobs=None).cached for p in (P, Q)] == [whole_chunks(2000)] * 2,
+            STORE_SETTLE_S,
+            "server A hitting its own stores of P and Q",
+        )
     with serve(world, "B", aiokv_connector(world)) as server:
         yield server
 

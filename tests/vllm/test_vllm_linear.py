@@ -33,6 +33,7 @@ from aiokv.testing.tiny_qwen3_next import write_tiny_qwen3_next
 from tests.vllm.support import (
     assert_each_gets_the_prefix,
     assert_same_greedy,
+    cold_and_warm,
     connector,
     generate,
     greedy_tolerance,
@@ -99,12 +100,8 @@ def runs(world: dict[str, Any], mooncake_backend: Any) -> dict[str, Any]:
         model=world["model"],
         engine=ALIGN,
         steps=[
-            generate("cold", [PROMPT]),
-            generate("warm", [PROMPT]),
-            evict,
-            generate("cold_q", [PROMPT_Q]),
-            generate("warm_q", [PROMPT_Q]),
-            evict,
+            *cold_and_warm("", PROMPT),
+            *cold_and_warm("_q", PROMPT_Q),
             generate("cold_shared", SHARED),
             evict,
             generate("prefix", [PROMPT[: HIT + 1]]),  # caches the shared blocks and the state at 1,792

@@ -21,7 +21,6 @@ Run inside a private network namespace.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -40,6 +39,7 @@ from tests.vllm.support import (
     solo_vs_concurrent_tolerance,
     store_world,
     tokens,
+    wait_until,
 )
 
 pytestmark = pytest.mark.mooncake
@@ -107,10 +107,7 @@ def loading_server(world: dict[str, Any], reference: dict[str, Any]) -> Iterator
         # chunk ends, and two prompts prefilled in one step are cut where the step's token budget ends.
         server.complete(P)
         server.complete(Q)
-        deadline = time.monotonic() + STORE_SETTLE_S
-        while stored_states(log) < 2:
-            assert time.monotonic() < deadline, f"server A never wrote both states: {read_key_log(log)}"
-            time.sleep(0.5)
+        wait_until(lambda: stored_states(log) >= 2, STORE_SETTLE_S, "server A writing both states")
     with serve(world, "B", aiokv_connector(world)) as server:
         yield server
 

@@ -49,6 +49,7 @@ from tests.vllm.support import (
     store_world,
     tokens,
     vllm_mooncake_connector,
+    wait_until,
 )
 
 pytestmark = pytest.mark.mooncake
@@ -101,13 +102,6 @@ def aiokv_connector(world: dict[str, Any], **extra: Any) -> dict[str, Any]:
 
 def outputs(completions: list[Completion]) -> list[dict[str, Any]]:
     return [completion.as_output() for completion in completions]
-
-
-def wait_until(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
-        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
