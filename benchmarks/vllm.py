@@ -3,7 +3,9 @@ vLLM engine, and against recomputing, in one run on one model and one workload.
 
 Per configuration (``recompute``: no connector; ``vllm``: ``MooncakeStoreConnector``; ``aiokv``:
 ``AiokvConnector``; ``aiokv-vllm-keys``: it with ``"key_format": "vllm"``; ``aiokv-unverified``: it with
-``"verify_values": false``, against which ``aiokv``'s cost of verified values is measured) a fresh
+``"verify_values": false``, against which ``aiokv``'s cost of verified values is measured;
+``aiokv-full-blocks``: it with ``"store_prompt_tails": false``, full blocks only as before prompts'
+last partial blocks were stored) a fresh
 Mooncake master and a holder process that mounts the store's segment, so every load and store crosses
 processes over TCP (standalone-store mode: the engines mount nothing). One engine process stores, a
 second one loads; each is its own subprocess running the in-process engine (``benchmarks.vllm_engine``).
@@ -43,8 +45,8 @@ from .vllm_workload import BLOCK_SIZE, MODEL_SHAPE, build_workload, stored_bytes
 
 logger = logging.getLogger("benchmarks.vllm")
 
-CONFIGS = ("recompute", "vllm", "aiokv", "aiokv-vllm-keys", "aiokv-unverified")
-AIOKV_CONFIGS = ("aiokv", "aiokv-vllm-keys", "aiokv-unverified")
+CONFIGS = ("recompute", "vllm", "aiokv", "aiokv-vllm-keys", "aiokv-unverified", "aiokv-full-blocks")
+AIOKV_CONFIGS = ("aiokv", "aiokv-vllm-keys", "aiokv-unverified", "aiokv-full-blocks")
 CHECKOUT = Path(__file__).resolve().parent.parent  # the repository root: benchmarks are not installed
 ENGINE_TIMEOUT_S = 1200.0
 
@@ -157,6 +159,7 @@ def kv_transfer_config(
         return {"kv_connector": "MooncakeStoreConnector", **common}
     key_format = "vllm" if name == "aiokv-vllm-keys" else "aiokv"
     unverified = {"verify_values": False} if name == "aiokv-unverified" else {}
+    full_blocks = {"store_prompt_tails": False} if name == "aiokv-full-blocks" else {}
     return {
         "kv_connector": "AiokvConnector",
         "kv_connector_module_path": "aiokv.integrations.vllm",
@@ -165,6 +168,7 @@ def kv_transfer_config(
             "mooncake_config": store_config,
             "key_format": key_format,
             **unverified,
+            **full_blocks,
             **(aiokv_extra or {}),
         },
         **common,

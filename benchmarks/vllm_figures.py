@@ -272,7 +272,7 @@ def summarize(figures: dict[str, dict[str, float]]) -> dict[str, Any]:
     ratios: dict[str, dict[str, float]] = {}
     goals: dict[str, bool] = {}
     if "vllm" in figures:
-        for name in (n for n in ("aiokv", "aiokv-vllm-keys") if n in figures):
+        for name in (n for n in ("aiokv", "aiokv-vllm-keys", "aiokv-full-blocks") if n in figures):
             ratios[name] = {
                 key: value / figures["vllm"][key]
                 for key, value in figures[name].items()

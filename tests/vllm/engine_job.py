@@ -35,6 +35,27 @@ def _summary(output: Any) -> dict[str, Any]:
     return {"tokens": tokens, "logprobs": logprobs, "top": top, "cached": output.num_cached_tokens}
 
 
+def _drain(llm: Any, timeout: float) -> None:
+    """Step the engine until its scheduler holds no request, as a server's engine loop does:
+    ``LLM.generate`` returns before the step that hands finished requests' last stores (their prompts'
+    partial last blocks) to the connector and before their blocks are released."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        return  # the engine core runs in a process of its own, stepping by itself
+    deadline = time.monotonic() + timeout
+    while core.scheduler.has_requests() and time.monotonic() < deadline:
+        llm.llm_engine.step()
+
+
+def _reset_prefix_cache(llm: Any, timeout: float) -> bool:
+    """Drop vLLM's prefix cache once no request holds blocks (vLLM refuses while one does; a finished
+    request's blocks are held until the connector's stores of them are done)."""
+    deadline = time.monotonic() + timeout
+    while not (done := bool(llm.reset_prefix_cache())) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return done
+
+
 def main(job_path: str, out_path: str) -> None:
     with open(job_path) as file:
         job = json.load(file)
@@ -76,7 +97,8 @@ def main(job_path: str, out_path: str) -> None:
                 max_tokens=step.get("max_tokens", 8),
                 logprobs=2 if step.get("logprobs", True) else None,
             )
-            prompts = [TokensPrompt(prompt_token_ids=p) for p in step["prompts"]]
+            salt = {"cache_salt": step["cache_salt"]} if step.get("cache_salt") else {}
+            prompts = [TokensPrompt(prompt_token_ids=p, **salt) for p in step["prompts"]]  # type: ignore[typeddict-item]
             began = time.monotonic()
             outputs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.monotonic() - began
@@ -84,14 +106,22 @@ def main(job_path: str, out_path: str) -> None:
         elif op == "flush":
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+            _drain(llm, step.get("timeout", 60))
             results[step.get("name", "flush")] = get_kv_transfer_group().flush(step.get("timeout", 60))
         elif op == "evict":
             # One short request lets the engine report finished stores and free their blocks; then the
             # local prefix cache is dropped, so later hits can only come from the connector.
+            # Another prompt each time, in every engine: this one's last partial block is stored, and a
+            # later one equal to it would be loaded (os.urandom: vLLM seeds ``random`` alike everywhere).
             llm.generate(
-                [TokensPrompt(prompt_token_ids=[7, 8, 9])], SamplingParams(max_tokens=1), use_tqdm=False
+                [TokensPrompt(prompt_token_ids=[7, *(100 + b % 800 for b in os.urandom(3))])],
+                SamplingParams(max_tokens=1),
+                use_tqdm=False,
             )
-            results[step.get("name", "evict")] = llm.reset_prefix_cache()
+            _drain(llm, step.get("timeout", 60))  # blocks held for stores (a prompt's tail) are freed
+            results[step.get("name", "evict")] = _reset_prefix_cache(llm, step.get("timeout", 60))
+        elif op == "drain":
+            _drain(llm, step.get("timeout", 60))
         elif op == "stats":
             results[step.get("name", "stats")] = _connector_stats()
         elif op == "scheduler_stats":  # the scheduler's connector: an object of this in-process engine

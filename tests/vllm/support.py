@@ -201,7 +201,7 @@ def keys_of(run: dict[str, Any], op: str, containing: str) -> list[str]:
 
 
 def generate(
-    name: str, prompts: list[list[int]], max_tokens: int = 8, logprobs: bool = True
+    name: str, prompts: list[list[int]], max_tokens: int = 8, logprobs: bool = True, cache_salt: str = ""
 ) -> dict[str, Any]:
     return {
         "op": "generate",
@@ -209,6 +209,7 @@ def generate(
         "prompts": prompts,
         "max_tokens": max_tokens,
         "logprobs": logprobs,
+        "cache_salt": cache_salt,
     }
 
 

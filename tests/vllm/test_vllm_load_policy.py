@@ -18,7 +18,7 @@ from tests.vllm.support import BLOCK, assert_same_greedy, greedy_tolerance, requ
 
 pytestmark = [pytest.mark.cluster, pytest.mark.mooncake]
 
-TOKENS = 1000  # 7 full blocks: a 896-token hit
+TOKENS = 1000  # 7 full blocks and a last partial block: a 1,000-token hit
 PROMPTS = 3
 SLOW_MBIT = 20
 
@@ -29,7 +29,7 @@ def test_a_slow_hit_is_declined_and_a_fast_one_taken() -> None:
     from benchmarks.vllm_throttle import run
 
     report = run(tokens=TOKENS, prompts=PROMPTS, rates=[None, SLOW_MBIT], configs=["recompute", "aiokv"])
-    hit = TOKENS // BLOCK * BLOCK
+    hit = TOKENS
     computed = report["stored"]["recompute"]
     # Controls (pairs that differ only by the CPU's numerics): vLLM's own prefix-cache hits against the
     # full computes, and the two engines' full computes.

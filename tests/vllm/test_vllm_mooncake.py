@@ -166,7 +166,7 @@ def test_other_process_hits_every_full_block_and_matches(
 ) -> None:
     assert loaded["A"]["stats"]["events"]["stores_submitted"] >= 1
     got = only(loaded["B"], "a")
-    assert got["cached"] == 16 * BLOCK  # every full block of the 2,100-token prompt
+    assert got["cached"] == len(PROMPT_A)  # every full block of the 2,100-token prompt, and its tail
     assert_matches(got, reference, "a", PROMPT_A, tolerance)
 
 
@@ -182,14 +182,15 @@ def test_other_weights_under_the_same_keys_are_refused_chunk_by_chunk(
     loaded: dict[str, Any], reference: dict[str, Any], tolerance: float
 ) -> None:
     """C's stored KV came from other weights under the same key names (same ``model_name``): B finds
-    its 8 chunks, refuses every one on load (the values' fingerprint names another model), recomputes
-    them, and its outputs are the cold run's. Without verification B loaded that KV and its outputs
-    differed (the negative control is now tests/vllm/test_vllm_verify.py's, with verification off)."""
+    its 9 keys (8 full blocks and the prompt's last partial block), refuses every one on load (the
+    values' fingerprint names another model), recomputes them, and its outputs are the cold run's.
+    Without verification B loaded that KV and its outputs differed (the negative control is now
+    tests/vllm/test_vllm_verify.py's, with verification off)."""
     got = only(loaded["B"], "c")
     assert_same_greedy(got, reference[("cold", tuple(PROMPT_C))], tolerance, "C, refused and recomputed")
     stats = loaded["B"]["stats"]
-    assert stats["verification"]["fingerprint"] == 8, stats["verification"]
-    assert stats["backend_errors"] == {str(int(Code.VERIFY_FAILED)): 8}, stats["backend_errors"]
+    assert stats["verification"]["fingerprint"] == 9, stats["verification"]
+    assert stats["backend_errors"] == {str(int(Code.VERIFY_FAILED)): 9}, stats["backend_errors"]
 
 
 def test_preemption_with_stores_in_flight_stores_right_bytes(
@@ -207,7 +208,7 @@ def test_preemption_with_stores_in_flight_stores_right_bytes(
     assert all(put["equal"] == put["checked"] for put in puts), puts
     for i in range(len(PREEMPT)):
         got = only(loaded["B"], f"p{i}")
-        assert got["cached"] == 8 * BLOCK, (i, got["cached"])
+        assert got["cached"] == len(PREEMPT[i]), (i, got["cached"])  # full blocks and tail
         assert_matches(got, reference, f"p{i}", PREEMPT[i], tolerance)
 
 

@@ -71,8 +71,14 @@ CHUNK_TOKENS = ConnectorConfig.from_extra_config({"backend": "memory"}).chunk_bl
 
 
 def expected_hit(prompt: list[int]) -> int:
-    """The hit of a prompt (not a whole number of blocks) whose every key is in the store."""
-    return len(prompt) // CHUNK_TOKENS * CHUNK_TOKENS
+    """The hit of a prompt (not a whole number of blocks) whose every key is in the store: the whole
+    prompt, its last partial block included (``store_prompt_tails``)."""
+    return len(prompt)
+
+
+def possible_hit(hit: int, prompt: list[int]) -> bool:
+    """Whether ``hit`` is a leading run of ``prompt``'s keys: whole keys of full blocks, or all of it."""
+    return hit == len(prompt) or (hit % CHUNK_TOKENS == 0 and hit < len(prompt))
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +177,9 @@ def store_then_stop(
 
     with serve(world, name, kv, *args, **env) as server:
         server.complete_all(first)
-        chunks = sum(len(prompt) // CHUNK_TOKENS for prompt in first)
-        wait_until(lambda: len(acknowledged()) >= chunks, 120, f"the first prompts' {chunks} chunks stored")
+        # Every full block's key and each prompt's last partial block (stored as its request ends).
+        chunks = sum(len(prompt) // CHUNK_TOKENS + 1 for prompt in first)
+        wait_until(lambda: len(acknowledged()) >= chunks, 120, f"the first prompts' {chunks} keys stored")
         before_stop = acknowledged()
         server.complete_all(in_flight)
     # The context sent SIGINT and waited for the server's processes to exit.
@@ -224,10 +231,11 @@ def test_stopped_with_stores_in_flight_leaves_right_bytes_or_none(
         got = loading_server.complete(prompt).as_output()
         hits.append(got["cached"])
         assert_same_greedy(got, reference["solo"][tuple(prompt)], tolerance, f"{shutdown} prompt {i}")
-    full = [expected_hit(prompt) for prompt in prompts]
-    assert all(hit % CHUNK_TOKENS == 0 and hit <= most for hit, most in zip(hits, full, strict=True)), hits
+    assert all(possible_hit(hit, prompt) for hit, prompt in zip(hits, prompts, strict=True)), hits
     if shutdown == "drain":
-        assert len(acknowledged) == sum(full) // CHUNK_TOKENS and hits == full, (hits, acknowledged)
+        # Every full block's key and every prompt's tail key.
+        keys = sum(len(prompt) // CHUNK_TOKENS + 1 for prompt in prompts)
+        assert len(acknowledged) == keys and hits == [len(p) for p in prompts], (hits, acknowledged)
 
 
 def test_fresh_server_loads_what_a_stopped_one_stored(

@@ -16,9 +16,9 @@ import pytest
 from aiokv.testing.tiny_model import write_tiny_llama
 from tests.vllm.support import MOONCAKE_ENV, connector, generate, run_engine, store_world
 from tests.vllm.test_vllm_host_tier import (
-    FULL_BLOCKS,
     PROMPTS,
     REFERENCE_STEPS,
+    WHOLE_PROMPTS,
     P,
     Q,
     assert_matches_reference,
@@ -26,7 +26,7 @@ from tests.vllm.test_vllm_host_tier import (
 
 pytestmark = pytest.mark.mooncake
 
-BLOCKS = 15 + 13  # P's and Q's full blocks: one key each (chunk_blocks 1)
+KEYS = 15 + 1 + 13 + 1  # P's and Q's full blocks and last partial blocks: one key each (chunk_blocks 1)
 SMALL_TIER = "3MiB"  # 24 blocks of the tiny model (2 layers x 64 KiB per block)
 
 
@@ -81,11 +81,12 @@ def runs(world: dict[str, Any]) -> dict[str, Any]:
 def test_stores_go_to_both_tiers_and_hits_come_from_the_local_one(runs: dict[str, Any]) -> None:
     a, reference = runs["a"], runs["reference"]
     assert a["evict"] is True
-    assert [out["cached"] for out in a["local"]["outputs"]] == FULL_BLOCKS
+    assert [out["cached"] for out in a["local"]["outputs"]] == WHOLE_PROMPTS
     assert_matches_reference(a["local"]["outputs"], reference, "local")
     tier = a["stats"]["host_tier"]
-    assert tier["hits"] == BLOCKS and tier["promotions"] == 0
-    assert a["stats"]["chunks"]["stored"] == BLOCKS  # Mooncake got every block too
+    assert tier["hits"] == KEYS and tier["promotions"] == 0
+    # Mooncake got every block too, and the last partial block of the evict step's short prompt.
+    assert a["stats"]["chunks"]["stored"] == KEYS + 1
     assert a["stats"]["chunks"].get("loaded", 0) == 0  # nothing was read from Mooncake
 
 
@@ -93,15 +94,16 @@ def test_a_remote_hit_is_promoted_and_eviction_pressure_keeps_outputs_exact(runs
     b, reference = runs["b"], runs["reference"]
     (remote_p,) = b["remote_p"]["outputs"]
     (remote_q,) = b["remote_q"]["outputs"]
-    assert [remote_p["cached"], remote_q["cached"]] == FULL_BLOCKS  # from Mooncake: the tier was empty
+    assert [remote_p["cached"], remote_q["cached"]] == WHOLE_PROMPTS  # from Mooncake: the tier was empty
     assert_matches_reference([remote_p, remote_q], reference, "remote")
     before = b["stats_remote"]
-    assert before["host_tier"]["hits"] == 0 and before["chunks"]["loaded"] == BLOCKS
-    # All of P's 15 blocks were promoted, then Q's 13, dropping P's 4 least recently used for room.
-    assert before["host_tier"]["promotions"] == BLOCKS and before["host_tier"]["evictions"] == BLOCKS - 24
-    assert [out["cached"] for out in b["again"]["outputs"]] == FULL_BLOCKS
+    assert before["host_tier"]["hits"] == 0 and before["chunks"]["loaded"] == KEYS
+    # All of P's 16 keys were promoted, then Q's 14, dropping P's least recently used for room (and
+    # for the evict step's short prompt, stored too).
+    assert before["host_tier"]["promotions"] == KEYS and before["host_tier"]["evictions"] >= KEYS - 24
+    assert [out["cached"] for out in b["again"]["outputs"]] == WHOLE_PROMPTS
     assert_matches_reference(b["again"]["outputs"], reference, "again")
     after = b["stats"]
     assert after["host_tier"]["hits"] > 0  # Q (and what is left of P) from the tier...
-    assert after["chunks"]["loaded"] > BLOCKS  # ...P's dropped blocks from Mooncake again
+    assert after["chunks"]["loaded"] > KEYS  # ...P's dropped blocks from Mooncake again
     assert after["host_tier"]["used_bytes"] <= after["host_tier"]["capacity_bytes"]

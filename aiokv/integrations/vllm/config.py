@@ -79,6 +79,7 @@ class ConnectorConfig:
     load_async: bool = True
     enable_lookup: bool = True
     save_decode_cache: bool = False
+    store_prompt_tails: bool = True
     model_name: str | None = None
     cache_prefix: str = ""
     memory_capacity: int = 1 << 30
@@ -165,6 +166,7 @@ class ConnectorConfig:
             load_async=_bool(extra, "load_async", True),
             enable_lookup=_bool(extra, "enable_lookup", True),
             save_decode_cache=_bool(extra, "save_decode_cache", False),
+            store_prompt_tails=_bool(extra, "store_prompt_tails", True),
             model_name=extra.get("model_name"),
             cache_prefix=extra.get("cache_prefix") or "",
             memory_capacity=memory_capacity,

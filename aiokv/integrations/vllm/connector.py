@@ -120,12 +120,12 @@ class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched().update_connector_output(connector_output)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        return self._sched().request_finished(request), None
+        return self._sched().request_finished(request, (block_ids,)), None
 
     def request_finished_all_groups(
         self, request: Any, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        return self._sched().request_finished(request), None
+        return self._sched().request_finished(request, block_ids), None
 
     # -- worker side ----------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ class GroupLookup:
     # and its chunks found from there.
     window: dict[int, tuple[int, concurrent.futures.Future[int]]] | None = None
     end: int = 0  # the hit (in chunks) the second round checks
+    tail: bool = False  # the prompt's last chunk is its partial last block (prompt_tails.py)
 
     def pending(self) -> list[concurrent.futures.Future[int]]:
         """Every future asked so far."""
@@ -49,8 +50,11 @@ class GroupLookup:
         if not short or not end:
             return False
         self.window = {}
+        # A hit ending with the prompt's partial tail ends inside its last chunk: the window reaches
+        # back from there, so it is taken from the chunk before (one chunk more, never one too few).
+        window_end = end - 1 if self.tail and end == len(self.prompt.hashes) else end
         for g in short:
-            first = groups[g].window_first_chunk(end, chunk_tokens)
+            first = groups[g].window_first_chunk(window_end, chunk_tokens)
             window = HashedPrompt(self.prompt.hashes[first:end], chunk_tokens)
             self.window[g] = (first, clients[g].lookup_many([window])[0])
         concurrent.futures.wait([future for _, future in self.window.values()], timeout=wait_s)

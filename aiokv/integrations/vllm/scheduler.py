@@ -12,6 +12,7 @@ import concurrent.futures
 import logging
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,7 @@ from .host_tier import LookupClient, scheduler_tier
 from .keys import hashed_prompt, key_namespace
 from .load_policy import Decision, LoadPolicy
 from .metadata import AiokvConnectorMetadata, TransferSpec
+from .prompt_tails import PromptTails
 from .state_groups import StateGroups
 from .stats_reporter import CounterDeltas
 
@@ -97,6 +99,7 @@ class SchedulerSide:
         self._tier = scheduler_tier(vllm_config, config, geometry.groups[0])
         if self._tier is not None and self.can_load:
             self._clients = [self._tier.lookup_client(self._clients[0] if self._clients else None)]
+        self._stores_kv = self.can_store and (self._backend is not None or self._tier is not None)
         at_exit(self.shutdown)
         self._requests: dict[str, Any] = {}
         self._lookups: dict[str, GroupLookup] = {}
@@ -116,6 +119,9 @@ class SchedulerSide:
         # Linear-attention / Mamba groups: their states are asked for, stored and loaded apart.
         self._states = StateGroups(geometry, config)
         self._attention = [g for g, group in enumerate(geometry.groups) if not group.is_state]
+        # Prompts' last partial blocks (prompt_tails.py), stored once their requests end.
+        self._tails = PromptTails(vllm_config, config, geometry)
+        self._tail_stores: list[TransferSpec] = []
         self.counters: Counter[str] = Counter()
         self._deltas = CounterDeltas()
 
@@ -155,7 +161,8 @@ class SchedulerSide:
             # Every full block, the last one too: an asynchronous load may cover the whole prompt
             # (vLLM then recomputes only its last token to sample from; see _hit_tokens).
             blocks = min(len(request.block_hashes), request.num_tokens // self.block_size)
-            prompt = hashed_prompt(request.block_hashes, blocks, self.config, self.block_size)
+            hashes = self._tails.lookup_hashes(request, blocks)  # the prompt's tail too, if stored
+            prompt = hashed_prompt(hashes, len(hashes), self.config, self.block_size)
             if not prompt.hashes or not self._clients:
                 return _Hit(prompt, 0)
             try:
@@ -165,7 +172,11 @@ class SchedulerSide:
                 logger.warning("aiokv: lookup for %s refused (%s); treated as a miss", req_id, exc)
                 return _Hit(prompt, 0)
             lookup = self._lookups[req_id] = GroupLookup(
-                futures, prompt, time.monotonic() + self.config.lookup_timeout_s, states=states
+                futures,
+                prompt,
+                time.monotonic() + self.config.lookup_timeout_s,
+                states=states,
+                tail=len(hashes) > blocks,
             )
             # A short wait answers most lookups at the first ask; the rest are asked again next step.
             concurrent.futures.wait(lookup.pending(), timeout=self.config.lookup_wait_s)
@@ -285,8 +296,9 @@ class SchedulerSide:
             self._hits.pop(req_id, None)
             self._lookups.pop(req_id, None)
             self._load_blocks.pop(req_id, None)
-        if not self.can_store or (self._backend is None and self._tier is None):
+        if not self._stores_kv:
             return self._with_tier(meta)
+        meta.stores, self._tail_stores = self._tail_stores, []  # of requests that ended last step
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
@@ -367,10 +379,15 @@ class SchedulerSide:
         if self._tier is not None:
             self._tier.on_output(getattr(worker_meta, "tier", None), connector_output.finished_recving or ())
 
-    def request_finished(self, request: Any) -> bool:
-        """Whether the blocks must wait: a store of this request, or its load, may still be in flight.
-        The worker reports it in ``get_finished`` (sending or receiving) once memory is released."""
+    def request_finished(self, request: Any, group_block_ids: Sequence[Sequence[int]]) -> bool:
+        """Whether the blocks must wait: a store of this request (its prompt's tail, ordered here for
+        the next step), or its load, may still be in flight. The worker reports it in
+        ``get_finished`` (sending or receiving) once memory is released."""
         req_id = request.request_id
+        tail = self._tails.store_spec(request, group_block_ids) if self._stores_kv else None
+        if tail is not None and req_id not in self._loading:
+            self._tail_stores.append(tail)
+            self._with_stores.add(req_id)
         for table in (
             self._requests,
             self._hits,
