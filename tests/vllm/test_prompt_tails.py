@@ -147,6 +147,25 @@ def test_tails_are_off_when_asked_with_multi_block_chunks_and_with_vllms_keys(ex
     assert tails.store_spec(request, [list(range(1, 17))]) is None
 
 
+def test_tails_are_off_on_mla_engines() -> None:
+    """vLLM 0.32's CPU MLA backend, computing the token left after a loaded partial block, gave logprobs
+    0.11-0.25 away from a full prefill's (docs/vllm.md): MLA engines store full blocks only."""
+    import torch
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
+
+    from aiokv.integrations.vllm.config import ConnectorConfig
+    from aiokv.integrations.vllm.geometry import kv_geometry
+    from aiokv.integrations.vllm.prompt_tails import PromptTails
+
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=96, dtype=torch.float32)
+    geometry = kv_geometry(
+        KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["mla"], spec)])
+    )
+    assert geometry.is_mla
+    vllm_config = SimpleNamespace(cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256"))
+    assert not PromptTails(vllm_config, ConnectorConfig.from_extra_config({}), geometry).enabled
+
+
 def _answered(value: int) -> concurrent.futures.Future[int]:
     future: concurrent.futures.Future[int] = concurrent.futures.Future()
     future.set_result(value)
