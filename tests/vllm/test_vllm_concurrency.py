@@ -185,7 +185,7 @@ def test_gets_landing_late_and_out_of_order_give_the_reference_tokens(
     count before its last get wrote the blocks, and each get must land in its own request's blocks."""
     outputs = ours_jittered[step]["outputs"]
     # A load the step waits for must leave the prompt's last token to compute.
-    last = 1 if "sync" in ours_jittered["name"] else 0
+    last = 1 if ours_jittered["name"] == "sync" else 0
     for i, (prompt, got) in enumerate(zip(prompts_of(step), outputs, strict=True)):
         assert got["cached"] == whole(prompt) - last, (step, i, got["cached"])
         assert_same_greedy(got, reference["alone"][tuple(prompt)], tolerance, f"jittered {step}[{i}]")
