@@ -88,6 +88,21 @@ def runs(world: dict[str, Any]) -> dict[str, Any]:
     return {"A": stores, "B": loads}
 
 
+def mooncake_engine(
+    world: dict[str, Any],
+    name: str,
+    steps: list[dict[str, Any]],
+    env: dict[str, str] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """An engine with the connector on the world's Mooncake store (``extra``: more of its config)."""
+    kv = connector({"backend": "mooncake", "mooncake_config": str(world["mooncake_config"]), **extra})
+    env = {**MOONCAKE_ENV, **(env or {})}
+    return run_engine(
+        world["root"], name, model=world["model"], engine=ENGINE, env=env, kv_transfer_config=kv, steps=steps
+    )
+
+
 def only(run: dict[str, Any], name: str) -> dict[str, Any]:
     (output,) = run[name]["outputs"]
     return output
@@ -139,21 +154,7 @@ def test_another_cache_salt_shares_nothing(
 
 def test_tails_are_off_when_asked(world: dict[str, Any], runs: dict[str, Any]) -> None:
     """``store_prompt_tails: false``: a prompt stores its full blocks only and loads up to them."""
-    run = run_engine(
-        world["root"],
-        "no_tails",
-        model=world["model"],
-        engine=ENGINE,
-        env=MOONCAKE_ENV,
-        kv_transfer_config=connector(
-            {
-                "backend": "mooncake",
-                "mooncake_config": str(world["mooncake_config"]),
-                "store_prompt_tails": False,
-            }
-        ),
-        steps=[generate("p", [P])],
-    )
+    run = mooncake_engine(world, "no_tails", [generate("p", [P])], store_prompt_tails=False)
     assert only(run, "p")["cached"] == FULL
     assert len(P) // BLOCK * BLOCK == FULL
 
@@ -165,30 +166,11 @@ def test_the_tail_is_stored_from_its_final_bytes_as_the_request_ends(world: dict
     loads the whole prompt, its verified values intact."""
     prompt = tokens(94, 1000)  # 7 full blocks and 104 tokens
     put_log = world["root"] / "tail-puts.jsonl"
-    slow = connector(
-        {"backend": "tests.vllm.support:slow_put_mooncake", "mooncake_config": str(world["mooncake_config"])}
-    )
-    env = {**MOONCAKE_ENV, "AIOKV_TEST_PUT_DELAY_S": "1", "AIOKV_TEST_PUT_LOG": str(put_log)}
-    run_engine(
-        world["root"],
-        "A_slow",
-        model=world["model"],
-        engine=ENGINE,
-        env=env,
-        kv_transfer_config=slow,
-        steps=[generate("p", [prompt], logprobs=False), {"op": "flush"}],
-    )
+    env = {"AIOKV_TEST_PUT_DELAY_S": "1", "AIOKV_TEST_PUT_LOG": str(put_log)}
+    steps = [generate("p", [prompt], logprobs=False), {"op": "flush"}]
+    mooncake_engine(world, "A_slow", steps, env=env, backend="tests.vllm.support:slow_put_mooncake")
     puts = [json.loads(line) for line in put_log.read_text().splitlines()]
     assert sum(p["checked"] for p in puts) == 7 + 1 and all(p["equal"] == p["checked"] for p in puts), puts
-    kv = connector({"backend": "mooncake", "mooncake_config": str(world["mooncake_config"])})
-    loaded = run_engine(
-        world["root"],
-        "slow_tail_load",
-        model=world["model"],
-        engine=ENGINE,
-        env=MOONCAKE_ENV,
-        kv_transfer_config=kv,
-        steps=[generate("p", [prompt]), {"op": "stats"}],
-    )
+    loaded = mooncake_engine(world, "slow_tail_load", [generate("p", [prompt]), {"op": "stats"}])
     assert only(loaded, "p")["cached"] == len(prompt)
     assert not loaded["stats"]["events"].get("load_error_blocks"), loaded["stats"]["events"]

@@ -37,6 +37,7 @@ pytestmark = pytest.mark.mooncake
 
 PROMPT_TOKENS = 1100  # 8 full blocks (chunk_blocks 1: 8 keys), and decode stays in the ninth
 CHUNKS = (PROMPT_TOKENS - 1) // BLOCK
+KEYS = CHUNKS + 1  # and the prompt's last partial block (store_prompt_tails): a hit is the whole prompt
 PROMPTS = {"ok": tokens(51, PROMPT_TOKENS), "flip": tokens(52, PROMPT_TOKENS)}
 PROMPTS |= {"swap1": tokens(53, PROMPT_TOKENS), "swap2": tokens(54, PROMPT_TOKENS)}
 FLIPPED_CHUNK = 5
@@ -80,9 +81,9 @@ def stored_keys(run: dict[str, Any]) -> dict[str, tuple[list[str], int]]:
     assert all(code >= 0 for entry in puts for code in entry["codes"]), puts
     keys = list(dict.fromkeys(key for entry in puts for key in entry["keys"]))
     sizes = {size for entry in puts for size in entry["sizes"]}
-    assert len(keys) == CHUNKS * len(PROMPTS) and len(sizes) == 1, (len(keys), sizes)
+    assert len(keys) == KEYS * len(PROMPTS) and len(sizes) == 1, (len(keys), sizes)
     size = sizes.pop()
-    return {name: (keys[i * CHUNKS : (i + 1) * CHUNKS], size) for i, name in enumerate(PROMPTS)}
+    return {name: (keys[i * KEYS : (i + 1) * KEYS], size) for i, name in enumerate(PROMPTS)}
 
 
 def damage(backend: Any, keys: dict[str, tuple[list[str], int]]) -> list[str]:
@@ -138,7 +139,7 @@ def test_damaged_chunks_fail_and_are_recomputed_to_the_reference_outputs(runs: d
     b, ref = runs["B"], runs["ref"]
     # The control that sizes the logprob tolerance: the undamaged prompt, loaded whole.
     ok = only(b, "ok")
-    assert ok["cached"] == CHUNKS * BLOCK
+    assert ok["cached"] == PROMPT_TOKENS
     tolerance = greedy_tolerance([(ok, only(ref, "ok"))])
     for name in PROMPTS:
         assert_same_greedy(only(b, name), only(ref, name), tolerance, name)
@@ -163,9 +164,9 @@ def test_without_verification_the_damage_is_loaded_and_changes_the_outputs(runs:
     stats = b["stats"]
     assert "verification" not in stats
     assert not stats["backend_errors"], stats["backend_errors"]
-    assert stats["chunks"]["loaded"] == CHUNKS * len(PROMPTS), stats["chunks"]
+    assert stats["chunks"]["loaded"] == KEYS * len(PROMPTS), stats["chunks"]
     assert stats["chunks"].get("stored", 0) == 0  # nothing failed, so nothing was written again
     for name in ("swap1", "swap2"):
         got = only(b, name)
-        assert got["cached"] == CHUNKS * BLOCK
+        assert got["cached"] == PROMPT_TOKENS
         assert got["tokens"] != only(ref, name)["tokens"], name
