@@ -143,9 +143,12 @@ def check_block_ids(
         )
     checked = []
     for group, (ids, layout, per_chunk) in enumerate(zip(block_ids, layouts, blocks_per_chunk, strict=True)):
-        if np.isscalar(ids):
-            raise TypeError(f"block_ids[{group}] must be a sequence of block ids, not a single value")
-        array = as_int64_array(ids, f"block_ids[{group}]", ndim=1)
+        if type(ids) is np.ndarray and ids.dtype == np.int64 and ids.ndim == 1:
+            array = ids  # the common form, as is: the conversion's checks cost more than the ids' work
+        else:
+            if np.isscalar(ids):
+                raise TypeError(f"block_ids[{group}] must be a sequence of block ids, not a single value")
+            array = as_int64_array(ids, f"block_ids[{group}]", ndim=1)
         needed = num_chunks * per_chunk
         if array.size < needed:
             raise InvalidRequestError(
@@ -161,7 +164,7 @@ def check_block_ids(
                 f"block_ids[{group}][{index}] = {int(used[index])} is outside the group's "
                 f"{layout.num_blocks} blocks"
             )
-        if isinstance(ids, np.ndarray) and (array is ids or np.may_share_memory(used, ids)):
+        if array is ids or (isinstance(ids, np.ndarray) and np.may_share_memory(used, ids)):
             # An int64 array (or a row of a 2-D table) passes unconverted: the pipeline reads it after
             # the call returns, so it takes its own copy (one memcpy), as every other form gets.
             used = used.copy()

@@ -47,7 +47,9 @@ TICK_S = 0.0005
 
 class SleepingBackend:
     """Every batch call sleeps ``call_s`` (GIL released) and counts itself; puts are remembered, so the
-    worker's read-back confirmation sees them. No ``max_regions_per_call``: the worker's default rules."""
+    worker's read-back confirmation sees them. No ``max_regions_per_call``: the worker's default rules.
+    ``cpu_s``: the CPU its own calls spent (remembering and checking keys), which is not the
+    framework's: process CPU less this is."""
 
     def __init__(self, call_s: float = 0.001) -> None:
         self.call_s = call_s
@@ -56,21 +58,27 @@ class SleepingBackend:
         self.exists_calls = 0
         self.put_calls = 0
         self.get_calls = 0
+        self.cpu_s = 0.0
 
     def register_buffer(self, addr: int, size: int) -> None:
         return None
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         time.sleep(self.call_s)
+        start = time.thread_time()
         with self._lock:
             self.exists_calls += 1
-            return [key in self._stored for key in keys]
+            answer = [key in self._stored for key in keys]
+            self.cpu_s += time.thread_time() - start
+        return answer
 
     def batch_put(self, keys: Sequence[str], addrs: Any, sizes: Any) -> list[int]:
         time.sleep(self.call_s)
+        start = time.thread_time()
         with self._lock:
             self.put_calls += 1
             self._stored.update(keys)
+            self.cpu_s += time.thread_time() - start
         return [0] * len(keys)
 
     def batch_get(self, keys: Sequence[str], addrs: Any, sizes: Any) -> list[int]:
@@ -160,6 +168,7 @@ async def sleeping_stores(tokens: int, regions: int, rounds: int) -> Figures:
     for tokens_as in ("tokens", "hashes"):
         backend = SleepingBackend()
         rows: list[tuple[list[float], list[float], float, float]] = []
+        backend_cpu: list[float] = []
         calls = (0, 0)
         async with aiokv.KVWorker(layout, backend, namespace="seed", chunk_tokens=SEED_BLOCK) as worker:
             for r in range(rounds + 1):  # round 0 warms up threads and caches
@@ -173,6 +182,7 @@ async def sleeping_stores(tokens: int, regions: int, rounds: int) -> Figures:
                     for _ in range(SEED_CONCURRENCY)
                 ]
                 before = (backend.exists_calls, backend.put_calls)
+                backend_cpu_before = backend.cpu_s
 
                 async def run(
                     prompts: list[Any] = prompts,
@@ -196,6 +206,7 @@ async def sleeping_stores(tokens: int, regions: int, rounds: int) -> Figures:
                 row = await measured(run)
                 if r:
                     rows.append(row)
+                    backend_cpu.append(backend.cpu_s - backend_cpu_before)
                     calls = (backend.exists_calls - before[0], backend.put_calls - before[1])
                 else:
                     floor = min(chained_sha256_floor_s(h) for h in engine_hashes)
@@ -206,6 +217,9 @@ async def sleeping_stores(tokens: int, regions: int, rounds: int) -> Figures:
         out[f"{prefix}cpu_per_request_ms"] = (
             float(np.median([row[2] for row in rows])) / SEED_CONCURRENCY * 1e3
         )
+        out[f"{prefix}backend_cpu_per_request_ms"] = float(np.median(backend_cpu)) / SEED_CONCURRENCY * 1e3
+        framework_cpu = float(np.median([row[2] - b for row, b in zip(rows, backend_cpu, strict=True)]))
+        out[f"{prefix}framework_cpu_per_request_ms"] = framework_cpu / SEED_CONCURRENCY * 1e3
         out[f"{prefix}wall_ms"] = float(np.median([row[3] for row in rows])) * 1e3
         out[f"{prefix}exists_calls"] = float(calls[0])
         out[f"{prefix}put_calls"] = float(calls[1])

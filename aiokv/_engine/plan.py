@@ -28,6 +28,8 @@ class Rows:
 
 
 Plan = list[list[Rows]]  # per group
+# As ints: NumPy given an enum member probes its class for array protocols first (~1 us a call).
+_NOT_ATTEMPTED, _NOT_FOUND = int(Code.NOT_ATTEMPTED), int(Code.NOT_FOUND)
 Unreadable = Callable[[Keys], BoolArray]  # per key: whether reads of it failed
 
 
@@ -78,10 +80,13 @@ def _decide_store(
         if not own.any():
             continue
         found = own & present[positions]
-        if unreadable is not None and found.any():
-            found &= ~unreadable(request.keys[group])  # present, but reads failed: not a skip
-        tracker.set_store_codes(cycle, request, group, found, positions[found], Code.PRESENT)
-        missing = own & ~found
+        if found.any():  # (a fresh prompt's chunks are all missing: no skip to write)
+            if unreadable is not None:
+                found &= ~unreadable(request.keys[group])  # present, but reads failed: not a skip
+            tracker.set_store_codes(cycle, request, group, found, positions[found], Code.PRESENT)
+            missing = own & ~found
+        else:
+            missing = own
         if backing_off:
             tracker.set_store_codes(cycle, request, group, missing, positions[missing], Code.NO_SPACE)
             continue
@@ -100,9 +105,11 @@ def _decide_load(request: Request, present: BoolArray, plan: Plan, tracker: Requ
     found = np.stack([present[positions] for positions in request.positions])
     holes = np.flatnonzero(~found.all(axis=0))
     prefix = int(holes[0]) if holes.size else request.num_chunks
+    whole = prefix == request.num_chunks
     for group in range(len(request.codes)):
-        tail = np.where(found[group, prefix:], Code.NOT_ATTEMPTED, Code.NOT_FOUND)
-        tracker.set_codes(request, group, slice(prefix, None), tail)
+        if not whole:
+            tail = np.where(found[group, prefix:], _NOT_ATTEMPTED, _NOT_FOUND)
+            tracker.set_codes(request, group, slice(prefix, None), tail)
         if prefix:
             chunks = np.arange(prefix, dtype=np.int64)
             plan[group].append(Rows(request, Op.GET, chunks, request.positions[group][:prefix]))
