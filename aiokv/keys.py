@@ -60,6 +60,7 @@ def chain_digests(data: memoryview, piece_bytes: int, count: int, previous: byte
     return out
 
 
+_SHA256_BYTES = 32
 _BULK_HEX_DIGESTS = 256  # below this many, one hex() per digest is as cheap as the bulk conversion
 
 
@@ -85,12 +86,18 @@ def digests_to_hex(digests: Sequence[bytes]) -> list[str]:
         return [d[:width].hex() for d in digests]
     lengths = set(map(len, digests))
     if len(lengths) == 1 and (length := lengths.pop()) >= width:
-        rows = np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(len(digests), length)
-        # A contiguous copy first: tobytes() of the strided view walks it byte by byte (4x slower).
-        joined = np.ascontiguousarray(rows[:, :width]).tobytes()
-    else:
-        joined = b"".join([d[:width] for d in digests])
-    return joined.hex(" ", width).split(" ")
+        return _digest_rows_to_hex(digests, length)
+    return b"".join([d[:width] for d in digests]).hex(" ", width).split(" ")
+
+
+def _digest_rows_to_hex(digests: Sequence[bytes], length: int) -> list[str]:
+    """:func:`digests_to_hex` of digests all ``length`` bytes long (the caller knows it)."""
+    width = DIGEST_HEX_CHARS // 2
+    if len(digests) < _BULK_HEX_DIGESTS:
+        return [d[:width].hex() for d in digests]
+    rows = np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(len(digests), length)
+    # A contiguous copy first: tobytes() of the strided view walks it byte by byte (4x slower).
+    return np.ascontiguousarray(rows[:, :width]).tobytes().hex(" ", width).split(" ")
 
 
 def _token_digests(token_ids: TokenIds, chunk_tokens: int) -> list[bytes]:
@@ -197,7 +204,7 @@ class HashedPrompt:
         chained 128-bit digests would be a SHA-256 collision), so ``__post_init__``'s checks, a fifth
         of the hashing's cost on long prompts, are skipped."""
         prompt = object.__new__(cls)
-        object.__setattr__(prompt, "hashes", tuple(digests_to_hex(digests)))
+        object.__setattr__(prompt, "hashes", tuple(_digest_rows_to_hex(digests, _SHA256_BYTES)))
         object.__setattr__(prompt, "chunk_tokens", chunk_tokens)
         return prompt
 
@@ -224,11 +231,15 @@ class HashedPrompt:
         digests: list[bytes] = []
         head = _common_bytes_head(block_hashes) if per_chunk == 1 else None
         if head is not None:
-            # One block per chunk, every hash bytes of one length (an engine's digests): one SHA-256
-            # per block over the same bytes _block_hash_bytes gives, no intermediate list.
+            # One block per chunk, every hash bytes of one length (an engine's digests): the typed,
+            # length-prefixed head _block_hash_bytes gives each is then the same, so it is folded into
+            # the chain once, and each block costs one SHA-256 over (previous digest, hash): the
+            # floor of any chained derivation. (The fold starts the chain from another digest than
+            # the general path's, so the two never meet.)
+            previous = hashlib.sha256(previous + head).digest()
             sha256, append = hashlib.sha256, digests.append
             for value in block_hashes:
-                previous = sha256(previous + head + value).digest()  # type: ignore[operator]
+                previous = sha256(previous + value).digest()  # type: ignore[operator]
                 append(previous)
         else:
             encoded = [_block_hash_bytes(v, i) for i, v in enumerate(block_hashes)]

@@ -171,6 +171,25 @@ def test_from_block_hashes_accepts_bytes_str_int_and_separates_boundaries() -> N
     assert HashedPrompt.from_block_hashes([1, 2], 1, 2).hashes != tuple(chunk_hashes([1, 2], 2))
 
 
+def test_engine_digests_cost_one_sha256_per_block_after_their_type_and_length() -> None:
+    """Block hashes all bytes of one length (an engine's digests, one block per chunk): the typed,
+    length-prefixed head is folded into the chain once, then one SHA-256 per block over (previous
+    digest, hash), for short and long prompts alike (hex made one by one or in bulk)."""
+    for count in (3, 300):
+        blocks = [hashlib.sha256(bytes([i % 256, i // 256])).digest() for i in range(count)]
+        prompt = HashedPrompt.from_block_hashes(blocks, 16, 16)
+        head = b"b" + (32).to_bytes(4, "little")  # bytes, 32 long
+        previous = hashlib.sha256(chain_seed(16) + b"|blocks" + head).digest()
+        expected = []
+        for value in blocks:
+            previous = hashlib.sha256(previous + value).digest()
+            expected.append(previous[: DIGEST_HEX_CHARS // 2].hex())
+        assert list(prompt.hashes) == expected
+    # Hashes of another length start another chain: the same leading bytes never give the same key.
+    shorter = HashedPrompt.from_block_hashes([b[:31] for b in blocks], 16, 16)
+    assert not set(shorter.hashes) & set(prompt.hashes)
+
+
 @pytest.mark.parametrize(
     ("blocks", "block_size", "chunk_tokens", "error", "message"),
     [
