@@ -2,8 +2,8 @@
 
 It never blocks on the store for long: a lookup runs in the background and the scheduler is told to
 ask again (``None``) until the answer is in; the answer is kept per request. It decides stores itself
-(only whole chunks of full blocks, of the prompt unless ``save_decode_cache``), so it knows which
-finishing requests have stores the worker must finish before their blocks are freed.
+(:mod:`.step_stores`), so it knows which finishing requests have stores the worker must finish before
+their blocks are freed.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from .metadata import AiokvConnectorMetadata, TransferSpec
 from .prompt_tails import PromptTails
 from .state_groups import StateGroups
 from .stats_reporter import CounterDeltas
+from .step_stores import StepStores
 
 logger = logging.getLogger("aiokv.vllm")
 
@@ -110,9 +111,6 @@ class SchedulerSide:
         # asks again: answering the same hit would load the same unreadable keys forever).
         self._load_blocks: dict[str, set[int]] = {}
         self._load_failed: set[str] = set()
-        self._prompts: dict[str, HashedPrompt] = {}
-        self._stored_chunks: dict[str, int] = {}
-        self._with_stores: set[str] = set()
         # Load only what beats recomputing (load_policy.py); None: every hit is loaded.
         self._policy = LoadPolicy(config.backend) if config.decline_slow_loads and self._clients else None
         self._chunk_bytes = sum(g.chunk_bytes(config.chunk_blocks) for g in geometry.groups)
@@ -121,7 +119,7 @@ class SchedulerSide:
         self._attention = [g for g, group in enumerate(geometry.groups) if not group.is_state]
         # Prompts' last partial blocks (prompt_tails.py), stored once their requests end.
         self._tails = PromptTails(vllm_config, config, geometry)
-        self._tail_stores: list[TransferSpec] = []
+        self._stores = StepStores(config, self.block_size, self._tails, self._states)
         self.counters: Counter[str] = Counter()
         self._deltas = CounterDeltas()
 
@@ -296,40 +294,8 @@ class SchedulerSide:
             self._hits.pop(req_id, None)
             self._lookups.pop(req_id, None)
             self._load_blocks.pop(req_id, None)
-        if not self._stores_kv:
-            return self._with_tier(meta)
-        meta.stores, self._tail_stores = self._tail_stores, []  # of requests that ended last step
-        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
-        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-        for req_id, scheduled in scheduler_output.num_scheduled_tokens.items():
-            request = self._requests.get(req_id)
-            if request is None:
-                continue
-            # Tokens whose KV exists once this step's forward ran (draft tokens may be rejected).
-            computed = request.num_computed_tokens + scheduled - len(spec_tokens.get(req_id, ()))
-            if not self.config.save_decode_cache:
-                computed = min(computed, request.num_prompt_tokens)
-            blocks = min(computed // self.block_size, len(request.block_hashes))
-            chunks = blocks // self.chunk_blocks
-            done = self._stored_chunks.get(req_id, 0)
-            if chunks <= done:
-                continue
-            table = block_state.get_block_ids(req_id) if block_state is not None else None
-            if table is None:
-                continue
-            table = self._states.without_states(table)  # their states come from vLLM's hand-offs
-            prompt = self._prompts.get(req_id)
-            if prompt is None or len(prompt.hashes) < chunks:
-                prompt = self._prompts[req_id] = hashed_prompt(
-                    request.block_hashes, blocks, self.config, self.block_size
-                )
-            meta.stores.append(self._store_spec(req_id, prompt, table, done, chunks))
-            self._stored_chunks[req_id] = chunks
-            self._with_stores.add(req_id)
-        if self._states and block_state is not None:
-            states = self._states.stores(block_state, self._requests)
-            meta.stores += states
-            self._with_stores.update(spec.req_id for spec in states)
+        if self._stores_kv:
+            meta.stores = self._stores.for_step(scheduler_output, self._requests)
         return self._with_tier(meta)
 
     def _with_tier(self, meta: AiokvConnectorMetadata) -> AiokvConnectorMetadata:
@@ -337,26 +303,6 @@ class SchedulerSide:
         if self._tier is not None:
             meta.tier = self._tier.on_step(meta.stores)
         return meta
-
-    def _store_spec(
-        self, req_id: str, prompt: HashedPrompt, table: Any, done: int, chunks: int
-    ) -> TransferSpec:
-        """Chunks ``[done, chunks)`` from each group's blocks. Every group still holds the blocks this
-        step computes (vLLM frees a sliding window's older blocks only in a later step), so the null
-        blocks skipped here are only those of chunks finished over several steps."""
-        block_ids, first_chunks = [], []
-        for ids in table:
-            window = max(done, usable_from(ids[: chunks * self.chunk_blocks], self.chunk_blocks))
-            first_chunks.append(window - done)
-            block_ids.append(
-                tuple(int(b) for b in ids[window * self.chunk_blocks : chunks * self.chunk_blocks])
-            )
-        return TransferSpec(
-            req_id,
-            HashedPrompt(prompt.hashes[done:chunks], self.chunk_tokens),
-            tuple(block_ids),
-            tuple(first_chunks),
-        )
 
     def update_connector_output(self, connector_output: Any) -> None:
         invalid = set(getattr(connector_output, "invalid_block_ids", None) or ())
@@ -384,18 +330,9 @@ class SchedulerSide:
         the next step), or its load, may still be in flight. The worker reports it in
         ``get_finished`` (sending or receiving) once memory is released."""
         req_id = request.request_id
-        tail = self._tails.store_spec(request, group_block_ids) if self._stores_kv else None
-        if tail is not None and req_id not in self._loading:
-            self._tail_stores.append(tail)
-            self._with_stores.add(req_id)
-        for table in (
-            self._requests,
-            self._hits,
-            self._lookups,
-            self._prompts,
-            self._stored_chunks,
-            self._load_blocks,
-        ):
+        store_tail = self._stores_kv and req_id not in self._loading
+        stored = self._stores.finished(request, group_block_ids, store_tail=store_tail)
+        for table in (self._requests, self._hits, self._lookups, self._load_blocks):
             table.pop(req_id, None)  # type: ignore[attr-defined]
         self._load_failed.discard(req_id)
         if self._policy is not None:
@@ -404,8 +341,6 @@ class SchedulerSide:
         self._loading.discard(req_id)
         if self._tier is not None and not loading:
             self._tier.release(req_id)
-        stored = req_id in self._with_stores
-        self._with_stores.discard(req_id)
         return loading or stored
 
     def stats(self) -> dict[str, Any]:
