@@ -8,6 +8,7 @@ import pytest
 
 from aiokv._engine.answers import PressureBackoff, answer_codes
 from aiokv._engine.exists import _presence
+from aiokv._engine.guard import _failure_codes
 from aiokv._engine.summary import load_result, store_result
 from aiokv.codes import WRITTEN, Code
 from aiokv.errors import BackendError
@@ -83,3 +84,19 @@ def test_load_result_of_one_group_matches_the_general_path(codes: list[int]) -> 
     assert fast.loaded_tokens == general.loaded_tokens and fast.loaded_chunks == general.loaded_chunks
     assert {code: 2 * n for code, n in fast.errors.items()} == general.errors  # counted per (chunk, group)
     assert fast.failed_block_ids == general.failed_block_ids[:1]
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [[0] * 170, [0, -200, 3], [-1, -704], [], [0.5, -0.5], [True, False], ["x"], [[0, -1]], [0, None]],
+)
+def test_the_breakers_failure_codes_of_a_list_are_the_vectorised_conversions(answer: list[object]) -> None:
+    """A list answer with no negative code skips the conversion; every other answer gets it."""
+    try:
+        codes = np.asarray(answer, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):
+        expected: list[int] = []
+    else:
+        expected = codes[codes < 0].tolist() if codes.ndim == 1 else []
+    assert _failure_codes(answer) == expected
+    assert _failure_codes(np.asarray(answer, dtype=object)) == expected  # not a list: the conversion
