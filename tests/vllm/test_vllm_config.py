@@ -114,6 +114,14 @@ def test_geometry_and_refusals() -> None:
     small = FullAttentionSpec(block_size=64, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="different block sizes"):
         kv_geometry(_kv_cache_config(full, small))
+    finer = _kv_cache_config(full)
+    finer.hash_block_size = 16
+    with pytest.raises(
+        ValueError, match=r"hashes prefixes every 16 tokens \(prefix_match_unit\) and its blocks hold 128"
+    ):
+        kv_geometry(finer)
+    finer.hash_block_size = 128
+    assert kv_geometry(finer).groups[0].block_size == 128
 
     caches = [torch.zeros(16, 2, 128, 128, dtype=torch.bfloat16) for _ in range(2)]
     layout = kv_layout_from_tensors(caches, block_size=128, page_bytes=65536, dtype="bfloat16")
@@ -144,9 +152,7 @@ def test_state_groups_geometry_and_refusals() -> None:
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
-    from aiokv.integrations.vllm.config import ConnectorConfig
     from aiokv.integrations.vllm.geometry import engine_layout, kv_geometry
-    from aiokv.integrations.vllm.state_groups import check_state_support
 
     full = FullAttentionSpec(block_size=256, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     state = MambaSpec(
@@ -186,9 +192,10 @@ def test_state_groups_geometry_and_refusals() -> None:
         kv_geometry(_kv_cache_config(dataclasses.replace(state, mamba_cache_mode="none"), full))
     with pytest.raises(ValueError, match="speculative"):
         kv_geometry(_kv_cache_config(dataclasses.replace(state, num_speculative_blocks=1), full))
-    with pytest.raises(ValueError, match="key_format 'vllm' is not supported with linear-attention"):
-        check_state_support(geometry, ConnectorConfig.from_extra_config({"key_format": "vllm"}))
-    check_state_support(geometry, ConnectorConfig.from_extra_config({}))
+    # key_format "vllm": the whole page per layer, padding included, as vLLM's connector moves it.
+    pages = engine_layout({"model.layers.0.self_attn.attn": [conv, ssm]}, group, 256, whole_state_pages=True)
+    assert pages.base_addrs.tolist() == [pool.data_ptr()] and pages.block_lens.tolist() == [131072]
+    assert pages.region_block_strides.tolist() == [131072] and pages.num_blocks == 16
 
 
 def test_vllm_key_format_is_vllms_own() -> None:

@@ -19,6 +19,9 @@ network namespace.
 - E loads PROMPT with every get of the state group failing: its attention chunks load but the whole
   hit is recomputed in every group, and outputs are right.
 - Three prompts sharing PROMPT's first 1,792 tokens arrive together at a fresh engine: each gets them.
+- key_format "vllm": vLLM's own MooncakeStoreConnector stores a prompt, the connector loads it (the
+  state and the attention blocks under vLLM's keys, whole pages) and stores another, which vLLM's
+  connector loads.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import pytest
 
 from aiokv.testing.tiny_qwen3_next import write_tiny_qwen3_next
 from tests.vllm.support import (
+    MOONCAKE_ENV,
     assert_each_gets_the_prefix,
     assert_same_greedy,
     cold_and_warm,
@@ -45,6 +49,7 @@ from tests.vllm.support import (
     run_engine,
     store_world,
     tokens,
+    vllm_mooncake_connector,
 )
 
 pytestmark = pytest.mark.mooncake
@@ -54,6 +59,9 @@ PROMPT, PROMPT_Q = tokens(81, 2000), tokens(82, 1290)
 HIT, HIT_Q = 1792, 1280  # the last block boundary before each prompt's last token
 # Three prompts sharing PROMPT's first 1,792 tokens (its stored state's prefix), suffixes of their own.
 SHARED = [PROMPT[:HIT] + tokens(90 + i, 200 + 37 * i) for i in range(3)]
+# Interop with vLLM's connector: both keep the state at the last block boundary before the last token.
+INTEROP_D, INTEROP_E = tokens(83, 2000), tokens(84, 1700)
+HIT_D, HIT_E = 1792, 1536
 STATE_KEYS, FULL_KEYS = "hma-g0-state-gdn_attn", "hma-g1-full"
 ALIGN = {"mamba_cache_mode": "align"}
 
@@ -102,6 +110,8 @@ def runs(world: dict[str, Any], mooncake_backend: Any) -> dict[str, Any]:
         steps=[
             *cold_and_warm("", PROMPT),
             *cold_and_warm("_q", PROMPT_Q),
+            *cold_and_warm("_d", INTEROP_D),
+            *cold_and_warm("_e", INTEROP_E),
             generate("cold_shared", SHARED),
             evict,
             generate("prefix", [PROMPT[: HIT + 1]]),  # caches the shared blocks and the state at 1,792
@@ -206,6 +216,50 @@ def test_concurrent_requests_sharing_a_stored_prefix(runs: dict[str, Any], world
     assert_each_gets_the_prefix(run, runs["ref"], "shared", HIT, tolerance(runs["ref"]))
     assert set(keys_of(run, "get", STATE_KEYS)) == {runs["swapped"][0]}  # PROMPT's state
     assert run["stats"]["events"].get("load_error_requests", 0) == 0
+
+
+def vllm_connector_engine(world: dict[str, Any], name: str, steps: list[dict[str, Any]]) -> dict[str, Any]:
+    """An engine with vLLM's own MooncakeStoreConnector on the world's store, in "align" mode."""
+    return run_engine(
+        world["root"],
+        name,
+        model=world["model"],
+        engine=ALIGN,
+        env={**MOONCAKE_ENV, "MOONCAKE_CONFIG_PATH": str(world["mooncake_config"])},
+        kv_transfer_config=vllm_mooncake_connector(),
+        steps=steps,
+    )
+
+
+def test_interop_with_vllms_mooncake_store_connector(runs: dict[str, Any], world: dict[str, Any]) -> None:
+    """key_format "vllm": vLLM's connector stores D; the connector loads it (the state at 1,792 under
+    vLLM's ``@group:0@`` key, the attention blocks before it under ``@group:1@``; every value a whole
+    page, as vLLM's) with the reference's tokens, and stores E, which vLLM's connector loads."""
+    ref, limit = runs["ref"], tolerance(runs["ref"])
+    vllm_connector_engine(
+        world, "vllm_stores", [generate("d", [INTEROP_D], logprobs=False), {"op": "sleep", "seconds": 4}]
+    )
+    steps = [generate("d", [INTEROP_D]), generate("e", [INTEROP_E]), {"op": "flush"}]
+    ours = with_connector(world, "aiokv_vllm_format", steps, key_format="vllm")
+    got = only(ours, "d")
+    assert got["cached"] == HIT_D
+    assert got["tokens"] == only(ref, "cold_d")["tokens"]
+    assert_same_greedy(got, only(ref, "warm_d"), limit)
+    gets = [
+        (key, size)
+        for entry in ours["keys"]
+        if entry["op"] == "get"
+        for key, size in zip(entry["keys"], entry["sizes"], strict=True)
+    ]
+    states = [(key, size) for key, size in gets if "@group:0@" in key]
+    blocks = [(key, size) for key, size in gets if "@group:1@" in key]
+    assert len(states) == 1 and len(blocks) == HIT_D // BLOCK, gets
+    assert {size for _, size in states + blocks} == {blocks[0][1]}  # one page each, the state's too
+    theirs = vllm_connector_engine(world, "vllm_loads", [generate("e", [INTEROP_E])])
+    got = only(theirs, "e")
+    assert got["cached"] == HIT_E
+    assert got["tokens"] == only(ref, "cold_e")["tokens"]
+    assert_same_greedy(got, only(ref, "warm_e"), limit)
 
 
 def test_mode_none_is_refused_with_the_reason(tmp_path: Path) -> None:

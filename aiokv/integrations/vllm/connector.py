@@ -30,7 +30,6 @@ from .keys import key_namespace
 from .metadata import AiokvConnectorMetadata, AiokvWorkerMetadata
 from .metrics import AiokvConnectorStats, AiokvPromMetrics
 from .scheduler import SchedulerSide
-from .state_groups import check_state_support
 from .worker import WorkerSide
 
 logger = logging.getLogger("aiokv.vllm")
@@ -66,7 +65,6 @@ class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
         transfer = vllm_config.kv_transfer_config
         self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
         geometry = kv_geometry(kv_cache_config)
-        check_state_support(geometry, self.config)
         if geometry.hybrid and self.config.host_tier:
             # The tier's index and workers hold one group's chunks; per-group tiers are not built.
             raise ValueError(

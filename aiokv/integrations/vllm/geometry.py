@@ -115,18 +115,29 @@ class EngineGeometry:
 
 
 def state_layout(
-    geometry: KVGeometry, bases: Sequence[int], num_blocks: int, chunk_tokens: int, device: str = "cpu"
+    geometry: KVGeometry,
+    bases: Sequence[int],
+    num_blocks: int,
+    chunk_tokens: int,
+    device: str = "cpu",
+    *,
+    whole_pages: bool = False,
 ) -> KVLayout:
     """A state group's layout: per layer (page ``b`` at ``bases[layer] + b * page_bytes``), one region
     per state tensor. One block is one key: it stands for the ``chunk_tokens`` tokens whose state it is,
-    and that size is in the fingerprint (an engine of other chunks never reads it)."""
-    offsets, offset = [], 0
-    for size, _ in geometry.state_parts:
-        offsets.append(offset)
-        offset += size
+    and that size is in the fingerprint (an engine of other chunks never reads it). ``whole_pages``: one
+    region per layer, its whole page, padding included (the value vLLM's MooncakeStoreConnector moves)."""
+    if whole_pages:
+        starts, sizes = [0], [geometry.page_bytes]
+    else:
+        starts, sizes, offset = [], [], 0
+        for size, _ in geometry.state_parts:
+            starts.append(offset)
+            sizes.append(size)
+            offset += size
     return KVLayout(
-        [base + start for base in bases for start in offsets],
-        [size for size, _ in geometry.state_parts],
+        [base + start for base in bases for start in starts],
+        sizes,
         block_size=chunk_tokens,
         num_blocks=num_blocks,
         dtype="+".join(dtype for _, dtype in geometry.state_parts),
@@ -192,6 +203,15 @@ def kv_geometry(kv_cache_config: Any) -> EngineGeometry:
     if len(sizes) > 1:
         # vLLM then hashes blocks at the groups' GCD; chunks would have to span the LCM.
         raise ValueError(f"AiokvConnector: KV cache groups of different block sizes {sorted(sizes)}")
+    # Finer prefix hashes (vLLM's prefix_match_unit) would key a block by the hash of a shorter prefix
+    # than the block ends: two prompts parting inside a block would share its key, and its bytes.
+    hash_tokens = getattr(kv_cache_config, "hash_block_size", None)
+    if hash_tokens is not None and int(hash_tokens) not in sizes:
+        raise ValueError(
+            f"AiokvConnector: vLLM hashes prefixes every {hash_tokens} tokens (prefix_match_unit) and its "
+            f"blocks hold {sizes.pop()}; the connector keys each block by its prefix's hash: run without "
+            "prefix_match_unit, or with it equal to the block size"
+        )
     return EngineGeometry(tuple(geometries))
 
 
@@ -227,8 +247,11 @@ def kv_layout_from_tensors(
     return layout
 
 
-def engine_layout(kv_caches: Mapping[str, Any], geometry: KVGeometry, chunk_tokens: int) -> KVLayout:
-    """The aiokv layout of the engine's KV cache, layers in vLLM's registration order."""
+def engine_layout(
+    kv_caches: Mapping[str, Any], geometry: KVGeometry, chunk_tokens: int, *, whole_state_pages: bool = False
+) -> KVLayout:
+    """The aiokv layout of the engine's KV cache, layers in vLLM's registration order
+    (``whole_state_pages``: a state group's values are its whole pages, as vLLM's connector's)."""
     names = set(geometry.layer_names)
     missing = names - set(kv_caches)
     if missing:
@@ -237,7 +260,7 @@ def engine_layout(kv_caches: Mapping[str, Any], geometry: KVGeometry, chunk_toke
     if geometry.is_state:
         from .state_groups import state_engine_layout
 
-        return state_engine_layout(tensors, geometry, chunk_tokens)
+        return state_engine_layout(tensors, geometry, chunk_tokens, whole_pages=whole_state_pages)
     if not all(hasattr(tensor, "data_ptr") for tensor in tensors):
         raise ValueError("AiokvConnector needs one tensor per layer (not a list of state tensors)")
     return kv_layout_from_tensors(

@@ -71,9 +71,12 @@ def state_geometry(index: int, layer_names: Sequence[str], spec: Any) -> KVGeome
     )
 
 
-def state_engine_layout(tensors: Sequence[Any], geometry: KVGeometry, chunk_tokens: int) -> KVLayout:
+def state_engine_layout(
+    tensors: Sequence[Any], geometry: KVGeometry, chunk_tokens: int, *, whole_pages: bool = False
+) -> KVLayout:
     """A state group's layout over the engine's tensors: per layer, the tensor vLLM registered (its
-    page, or its list of state tensors, which start at the page)."""
+    page, or its list of state tensors, which start at the page); ``whole_pages``: see
+    :func:`~.geometry.state_layout`."""
     bases = []
     num_blocks = None
     for index, tensor in enumerate(tensors):
@@ -102,23 +105,13 @@ def state_engine_layout(tensors: Sequence[Any], geometry: KVGeometry, chunk_toke
             raise ValueError(f"state tensor {index}'s pages hold less than the {state_bytes}-byte state")
     if num_blocks is None:
         raise ValueError("no state tensors to register")
-    return state_layout(geometry, bases, num_blocks, chunk_tokens, str(_first(tensors[0]).device))
+    device = str(_first(tensors[0]).device)
+    return state_layout(geometry, bases, num_blocks, chunk_tokens, device, whole_pages=whole_pages)
 
 
 def _first(tensor: Any) -> Any:
     """The tensor vLLM registered for a layer, or the first of its list of state tensors."""
     return tensor[0] if isinstance(tensor, (list, tuple)) else tensor
-
-
-def check_state_support(geometry: EngineGeometry, config: ConnectorConfig) -> None:
-    """What the connector does not do with state groups, refused at start-up with the reason."""
-    if not geometry.has_state:
-        return
-    if config.key_format == "vllm":
-        raise ValueError(
-            "AiokvConnector: key_format 'vllm' is not supported with linear-attention / Mamba layers "
-            "(vLLM's connector keys their states its own way); use key_format 'aiokv'"
-        )
 
 
 class StateGroups:

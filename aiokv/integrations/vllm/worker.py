@@ -113,7 +113,9 @@ class WorkerSide:
         self.meter: LoadMeter | None = None
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
-        layouts = [engine_layout(kv_caches, group, self.chunk_tokens) for group in self.geometry.groups]
+        pages = self.config.key_format == "vllm"  # a state group's values then are vLLM's: whole pages
+        shapes = self.geometry.groups
+        layouts = [engine_layout(kv_caches, g, self.chunk_tokens, whole_state_pages=pages) for g in shapes]
         first = next(iter(kv_caches.values()))
         self._on_cuda = first.device.type == "cuda"
         if self._on_cuda and self.config.host_tier:
