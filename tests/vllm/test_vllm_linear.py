@@ -280,3 +280,23 @@ def test_mode_none_is_refused_with_the_reason(tmp_path: Path) -> None:
     message = str(failed.value)
     assert "only with mamba_cache_mode='align'" in message, message
     assert "runs mamba_cache_mode='none'" in message and "boundary_state_offloads" in message, message
+
+
+def test_prefix_hashes_finer_than_a_block_are_refused_at_start_up(tmp_path: Path) -> None:
+    """vLLM's ``prefix_match_unit`` (taken on hybrid engines only) below the block size hashes prefixes
+    every 16 tokens: the connector would key a block by a shorter prefix than it ends (two prompts
+    parting inside it would share its bytes), so the engine does not start, and says why. Proves
+    vLLM hands the unit to the connector's scheduler side."""
+    require_vllm()
+    model = write_tiny_qwen3_next(tmp_path / "tiny-qwen3-next")
+    with pytest.raises(AssertionError) as failed:
+        run_engine(
+            tmp_path,
+            "qwen3-next-finer-hashes",
+            model=model,
+            engine={**ALIGN, "prefix_match_unit": 16},
+            kv_transfer_config=connector({"backend": "memory"}),
+            steps=[generate("p", [tokens(65, 600)])],
+        )
+    message = str(failed.value)
+    assert "hashes prefixes every 16 tokens (prefix_match_unit) and its blocks hold 256" in message, message
