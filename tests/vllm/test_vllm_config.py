@@ -247,6 +247,19 @@ def test_hybrid_groups_are_keyed_apart() -> None:
     namespace = key_namespace(vllm_config, vllm_format, hybrid, tp_rank=0, pp_rank=0, group=1)
     meta = KeyMetadata("tiny", tp_rank=0, pcp_rank=0, dcp_rank=0, pp_rank=0, group_id=1)
     assert namespace.keys(["ab"], "fp", 0) == [PoolKey(meta, "ab").to_string()]
+    # TP 4 over 2 KV heads: attention ranks 2 and 3 share one key (byte-identical replicas, as vLLM's
+    # connector keys them), a linear-attention state group's ranks each keep their own (their shards).
+    vllm_config.parallel_config.tensor_parallel_size = 4
+    state = replace(full, layer_names=("l0",), state_parts=((64, "float32"),), state_kind="state-gdn_attn")
+    linear = EngineGeometry((state, full))
+    ranks = {
+        g: [
+            key_namespace(vllm_config, vllm_format, linear, tp_rank=r, pp_rank=0, group=g).tp_rank
+            for r in range(4)
+        ]
+        for g in (0, 1)
+    }
+    assert ranks == {0: [0, 1, 2, 3], 1: [0, 0, 1, 1]}, ranks
 
 
 def test_sliding_window_groups_move_only_chunks_after_their_null_blocks() -> None:

@@ -75,8 +75,14 @@ def key_namespace(
     name = model_name(vllm_config, config)
     if config.key_format == "vllm":
         num_kv_heads = int(vllm_config.model_config.get_total_num_kv_heads())
-        # As vLLM: byte-identical TP replicas share one key (MLA: every rank; GQA: tp_size / kv heads).
-        replicas = tp_size if geometry.is_mla else max(1, tp_size // max(1, num_kv_heads))
+        # As vLLM: byte-identical TP replicas share one key (MLA: every rank; GQA: tp_size / kv heads);
+        # a linear-attention / Mamba state is each rank's own shard.
+        if geometry.groups[group].is_state:
+            replicas = 1
+        elif geometry.is_mla:
+            replicas = tp_size
+        else:
+            replicas = max(1, tp_size // max(1, num_kv_heads))
         return VllmKeyNamespace(
             name,
             tp_rank=tp_rank // replicas,
