@@ -262,22 +262,27 @@ def test_interop_with_vllms_mooncake_store_connector(runs: dict[str, Any], world
     assert_same_greedy(got, only(ref, "warm_e"), limit)
 
 
-def test_mode_none_is_refused_with_the_reason(tmp_path: Path) -> None:
-    """With prefix caching off vLLM runs the state group in mamba_cache_mode "none" (one running state
-    per request, which no prefix key can name; with prefix caching on, "align" is vLLM's default): the
-    engine does not start with the connector, and says why."""
+def start_up_refusal(tmp_path: Path, name: str, engine: dict[str, Any]) -> str:
+    """The error of an engine of the test model with the connector that must not start (its log's tail)."""
     require_vllm()
     model = write_tiny_qwen3_next(tmp_path / "tiny-qwen3-next")
     with pytest.raises(AssertionError) as failed:
         run_engine(
             tmp_path,
-            "qwen3-next-mode-none",
+            name,
             model=model,
-            engine={"enable_prefix_caching": False},
+            engine=engine,
             kv_transfer_config=connector({"backend": "memory"}),
             steps=[generate("p", [tokens(65, 600)])],
         )
-    message = str(failed.value)
+    return str(failed.value)
+
+
+def test_mode_none_is_refused_with_the_reason(tmp_path: Path) -> None:
+    """With prefix caching off vLLM runs the state group in mamba_cache_mode "none" (one running state
+    per request, which no prefix key can name; with prefix caching on, "align" is vLLM's default): the
+    engine does not start with the connector, and says why."""
+    message = start_up_refusal(tmp_path, "qwen3-next-mode-none", {"enable_prefix_caching": False})
     assert "only with mamba_cache_mode='align'" in message, message
     assert "runs mamba_cache_mode='none'" in message and "boundary_state_offloads" in message, message
 
@@ -287,16 +292,5 @@ def test_prefix_hashes_finer_than_a_block_are_refused_at_start_up(tmp_path: Path
     every 16 tokens: the connector would key a block by a shorter prefix than it ends (two prompts
     parting inside it would share its bytes), so the engine does not start, and says why. Proves
     vLLM hands the unit to the connector's scheduler side."""
-    require_vllm()
-    model = write_tiny_qwen3_next(tmp_path / "tiny-qwen3-next")
-    with pytest.raises(AssertionError) as failed:
-        run_engine(
-            tmp_path,
-            "qwen3-next-finer-hashes",
-            model=model,
-            engine={**ALIGN, "prefix_match_unit": 16},
-            kv_transfer_config=connector({"backend": "memory"}),
-            steps=[generate("p", [tokens(65, 600)])],
-        )
-    message = str(failed.value)
+    message = start_up_refusal(tmp_path, "qwen3-next-finer-hashes", {**ALIGN, "prefix_match_unit": 16})
     assert "hashes prefixes every 16 tokens (prefix_match_unit) and its blocks hold 256" in message, message
