@@ -79,13 +79,15 @@ def vllm_mooncake_connector() -> dict[str, Any]:
 
 
 def run_vllm_connector_engine(
-    world: dict[str, Any], name: str, steps: list[dict[str, Any]]
+    world: dict[str, Any], name: str, steps: list[dict[str, Any]], engine: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """An engine of ``world["model"]`` with vLLM's own MooncakeStoreConnector on the world's store."""
+    """An engine of ``world["model"]`` with vLLM's own MooncakeStoreConnector on the world's store
+    (``engine``: more engine arguments)."""
     return run_engine(
         world["root"],
         name,
         model=world["model"],
+        engine=engine,
         env={**MOONCAKE_ENV, "MOONCAKE_CONFIG_PATH": str(world["mooncake_config"])},
         kv_transfer_config=vllm_mooncake_connector(),
         steps=steps,

@@ -34,7 +34,6 @@ import pytest
 
 from aiokv.testing.tiny_qwen3_next import write_tiny_qwen3_next
 from tests.vllm.support import (
-    MOONCAKE_ENV,
     assert_each_gets_the_prefix,
     assert_same_greedy,
     cold_and_warm,
@@ -47,9 +46,9 @@ from tests.vllm.support import (
     read_value,
     require_vllm,
     run_engine,
+    run_vllm_connector_engine,
     store_world,
     tokens,
-    vllm_mooncake_connector,
 )
 
 pytestmark = pytest.mark.mooncake
@@ -218,27 +217,13 @@ def test_concurrent_requests_sharing_a_stored_prefix(runs: dict[str, Any], world
     assert run["stats"]["events"].get("load_error_requests", 0) == 0
 
 
-def vllm_connector_engine(world: dict[str, Any], name: str, steps: list[dict[str, Any]]) -> dict[str, Any]:
-    """An engine with vLLM's own MooncakeStoreConnector on the world's store, in "align" mode."""
-    return run_engine(
-        world["root"],
-        name,
-        model=world["model"],
-        engine=ALIGN,
-        env={**MOONCAKE_ENV, "MOONCAKE_CONFIG_PATH": str(world["mooncake_config"])},
-        kv_transfer_config=vllm_mooncake_connector(),
-        steps=steps,
-    )
-
-
 def test_interop_with_vllms_mooncake_store_connector(runs: dict[str, Any], world: dict[str, Any]) -> None:
     """key_format "vllm": vLLM's connector stores D; the connector loads it (the state at 1,792 under
     vLLM's ``@group:0@`` key, the attention blocks before it under ``@group:1@``; every value a whole
     page, as vLLM's) with the reference's tokens, and stores E, which vLLM's connector loads."""
     ref, limit = runs["ref"], tolerance(runs["ref"])
-    vllm_connector_engine(
-        world, "vllm_stores", [generate("d", [INTEROP_D], logprobs=False), {"op": "sleep", "seconds": 4}]
-    )
+    stores = [generate("d", [INTEROP_D], logprobs=False), {"op": "sleep", "seconds": 4}]
+    run_vllm_connector_engine(world, "vllm_stores", stores, engine=ALIGN)
     steps = [generate("d", [INTEROP_D]), generate("e", [INTEROP_E]), {"op": "flush"}]
     ours = with_connector(world, "aiokv_vllm_format", steps, key_format="vllm")
     got = only(ours, "d")
@@ -255,7 +240,7 @@ def test_interop_with_vllms_mooncake_store_connector(runs: dict[str, Any], world
     blocks = [(key, size) for key, size in gets if "@group:1@" in key]
     assert len(states) == 1 and len(blocks) == HIT_D // BLOCK, gets
     assert {size for _, size in states + blocks} == {blocks[0][1]}  # one page each, the state's too
-    theirs = vllm_connector_engine(world, "vllm_loads", [generate("e", [INTEROP_E])])
+    theirs = run_vllm_connector_engine(world, "vllm_loads", [generate("e", [INTEROP_E])], engine=ALIGN)
     got = only(theirs, "e")
     assert got["cached"] == HIT_E
     assert got["tokens"] == only(ref, "cold_e")["tokens"]

@@ -209,7 +209,7 @@ def kv_geometry(kv_cache_config: Any) -> EngineGeometry:
     if hash_tokens is not None and int(hash_tokens) not in sizes:
         raise ValueError(
             f"AiokvConnector: vLLM hashes prefixes every {hash_tokens} tokens (prefix_match_unit) and its "
-            f"blocks hold {sizes.pop()}; the connector keys each block by its prefix's hash: run without "
+            f"blocks hold {min(sizes)}; the connector keys each block by its prefix's hash: run without "
             "prefix_match_unit, or with it equal to the block size"
         )
     return EngineGeometry(tuple(geometries))
