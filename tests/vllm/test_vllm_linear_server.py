@@ -101,7 +101,8 @@ def tolerance(world: dict[str, Any], reference: dict[str, Any]) -> float:
     with serve(world, "vllm_loads", vllm_mooncake_connector()) as server:
         got = [server.complete(prompt).as_output() for prompt in [P, *SCENARIO]]
         got += [completion.as_output() for completion in server.complete_all(SCENARIO)]
-    assert [output["cached"] for output in got] == [HIT] * len(got), "vLLM's connector: the control missed"
+    hits = [output["cached"] for output in got]
+    assert hits == [HIT] * len(hits), f"vLLM's connector, the control, did not hit {HIT} tokens each: {hits}"
     pairs = list(
         zip(got, [reference["solo"][tuple(prompt)] for prompt in [P, *SCENARIO, *SCENARIO]], strict=True)
     )
