@@ -316,7 +316,7 @@ def server_reference(
 
 def solo_vs_concurrent_tolerance(reference: dict[str, Any], scenario: Sequence[Sequence[int]]) -> float:
     """The control of a server scenario: the same prompts alone and concurrently on the no-connector
-    server (batching moves logprobs by up to ~0.1 on CPUs without AMX, ~0.03 with it)."""
+    server (batching moves logprobs by up to ~0.1 on CPUs without AMX, up to ~0.06 on an AMX CPU)."""
     pairs = [
         (reference["solo"][tuple(prompt)], got)
         for prompt, got in zip(scenario, reference["concurrent"], strict=True)
@@ -330,7 +330,7 @@ def greedy_tolerance(controls: list[tuple[dict[str, Any], dict[str, Any]]]) -> f
     loaded by vLLM's own connector and computed, :func:`one_token_left_pairs`). On CPUs without AMX
     vLLM's "vec" attention kernels give a prefill after a hit and a full prefill logprobs up to ~0.06
     apart, and batching moves them up to ~0.1; with AMX a prefill behind a hit is bitwise equal unless
-    one token is left to compute (up to ~0.08), and batching moves them by up to ~0.03. Twice the
+    one token is left to compute (up to ~0.08), and batching moves them by up to ~0.06. Twice the
     largest spread seen, within the floor and cap."""
     spread = max((logprob_spread(a, b) for a, b in controls), default=0.0)
     return min(max(2 * spread, LOGPROB_TOLERANCE_FLOOR), LOGPROB_TOLERANCE_CAP)
