@@ -2,12 +2,13 @@
 cache. Prompts are stored, vLLM's prefix cache is dropped, and the prompts come back from the store,
 one alone and four sharing a prefix at once (synchronous loads, so the four compute in one step, as
 in the reference run). Outputs equal those of vLLM reusing its own KV for the same tokens: the same
-greedy tokens, logprobs within
-the spread this CPU shows between computing a prompt whole and behind its cached prefix, with tens of
-tokens and with one token left to compute (the controls, ``support.greedy_tolerance``)."""
+greedy tokens, logprobs within the spread this CPU shows between computing a prompt whole and behind
+its cached prefix, with tens of tokens and with one token left to compute (the controls,
+``support.greedy_tolerance``)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,26 +33,36 @@ SHARED = [PROMPT[:1536] + tokens(41 + i, 600) for i in range(4)]
 EXACT = tokens(50, 16 * BLOCK)  # exactly 16 blocks: the last token ends the last block
 
 
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The test model, written once for every engine of the module."""
+    require_vllm()
+    return write_tiny_llama(tmp_path_factory.mktemp("vllm-embedded-model") / "tiny-llama")
+
+
 def embedded_engine(
-    tmp_path_factory: pytest.TempPathFactory, name: str, steps: list[dict[str, Any]], **extra: Any
+    tmp_path_factory: pytest.TempPathFactory,
+    model: Path,
+    name: str,
+    steps: list[dict[str, Any]],
+    **extra: Any,
 ) -> dict[str, Any]:
     """One in-process engine with AiokvConnector on the embedded store, running ``steps``."""
-    require_vllm()
-    root = tmp_path_factory.mktemp(f"vllm-{name}")
     config = {"backend": "memory", "memory_capacity": "64MiB", "lookup_wait_s": 2.0, **extra}
     return run_engine(
-        root,
+        tmp_path_factory.mktemp(f"vllm-{name}"),
         name,
-        model=write_tiny_llama(root / "tiny-llama"),
+        model=model,
         kv_transfer_config=connector(config),
         steps=steps,
     )
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def run(tmp_path_factory: pytest.TempPathFactory, model: Path) -> dict[str, Any]:
     return embedded_engine(
         tmp_path_factory,
+        model,
         "embedded",
         load_async=False,
         steps=[
@@ -76,20 +87,15 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def tolerance(run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> float:
+def tolerance(run: dict[str, Any], tmp_path_factory: pytest.TempPathFactory, model: Path) -> float:
     """The tolerance from controls on this CPU: every prompt computed whole, then behind vLLM's own
     cached prefix, in the run's engine; and, in an engine without a connector, each prompt's
     one-token-left control (the synchronous reloads below leave one token to compute)."""
     pairs = [(run["computed"]["outputs"][0], run["warm"]["outputs"][0])]
     pairs += list(zip(run["shared_first"]["outputs"], run["shared_warm"]["outputs"], strict=True))
-    root = tmp_path_factory.mktemp("vllm-embedded-control")
     prompts = [PROMPT, *SHARED, EXACT]
-    numerics = run_engine(
-        root,
-        "one-token-left",
-        model=write_tiny_llama(root / "tiny-llama"),
-        steps=one_token_left_steps(prompts),
-    )
+    root = tmp_path_factory.mktemp("vllm-embedded-control")
+    numerics = run_engine(root, "one-token-left", model=model, steps=one_token_left_steps(prompts))
     return greedy_tolerance(pairs + one_token_left_pairs(numerics, len(prompts)))
 
 
@@ -132,9 +138,10 @@ def test_synchronous_load_of_an_exact_block_multiple_leaves_one_token(run: dict[
 
 
 @pytest.fixture(scope="module")
-def async_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+def async_run(tmp_path_factory: pytest.TempPathFactory, model: Path) -> dict[str, Any]:
     return embedded_engine(
         tmp_path_factory,
+        model,
         "embedded-async",
         steps=[
             generate("computed", [EXACT]),
