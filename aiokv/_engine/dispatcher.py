@@ -24,6 +24,7 @@ class Dispatcher:
         self._run_transfers: RunBatch = pipeline.run_transfers
         self._run_lookups: RunBatch = pipeline.run_lookups
         self._answer_lookup_now = pipeline.answer_lookup_now
+        self._settling = pipeline.settling
         self._max_batches = max_concurrent_batches
         self._transfers: asyncio.Queue[Request | None] = asyncio.Queue()
         self._lookups: asyncio.Queue[Request | None] = asyncio.Queue()
@@ -82,6 +83,7 @@ class Dispatcher:
         while not stopping:
             request = await self._transfers.get()
             await slots.acquire()
+            await self._settling.ended()  # its callers resubmit as it settles them: take them all
             await _turns_until_callers_resubmit()
             batch, stopping = _drain(self._transfers, request)
             if not batch:
@@ -123,10 +125,10 @@ class Dispatcher:
 
 
 async def _turns_until_callers_resubmit() -> None:
-    """Two turns of the loop. A batch settles its last requests as it ends, which frees its slot; their
-    callers wake two turns later (the future, the shield around it) and most submit their next request
-    then. Draining after those turns takes those requests into this batch instead of leaving them to
-    the next one: with many callers, batches stay large (per-batch work is most of a small request's
+    """Two turns of the loop. Once no batch is settling, the callers of the last requests settled wake
+    two turns later (the future, the shield around it) and most submit their next request then.
+    Draining after those turns takes those requests into this batch instead of leaving them to the
+    next one: with many callers, batches stay large (per-batch work is most of a small request's
     cost: 64 callers of small requests, 27 -> 55-64 requests a batch, 1.5x the requests per second)."""
     await asyncio.sleep(0)
     await asyncio.sleep(0)

@@ -37,6 +37,7 @@ from .lanes import Lane, Lanes
 from .plan import Plan, decide
 from .request import Request
 from .rewrite import Rewrites, UnreadableKeys
+from .settling import Settling
 from .slices import LoopSlice, pieces
 from .tracker import RequestTracker
 from .transfer import GroupTransfer, all_settled
@@ -65,6 +66,7 @@ class BatchPipeline:
         self._confirmation = WriteConfirmation(self._exists, lanes, tracker)
         self._unreadable = UnreadableKeys()
         self._rewrites = Rewrites(config, lanes, tracker, self._unreadable)
+        self.settling = Settling()  # what the dispatcher waits for before its next batch
 
     async def run_transfers(self, batch: list[Request]) -> None:
         cycle = Cycle.new()
@@ -180,12 +182,14 @@ class BatchPipeline:
         """Resolve shared chunks from their writers' outcomes; settle every request (the tracker settles
         one request at a time; the slicing of a large batch is here)."""
         clock = LoopSlice()
-        for request in batch:
-            await clock.tick()
-            if not request.finished:
-                for wait in request.waits:
-                    await wait.cycle.outcomes_ready
-                    outcome = await wait.cycle.outcome_of(wait.keys)
-                    self._tracker.take_outcomes(request, wait.group, wait.chunks, outcome)
-                self._tracker.settle(request)
-            request.drop_data()  # freed here, a slice at a time, not all at once as the batch ends
+        with self.settling.running():
+            for request in batch:
+                await clock.tick()
+                if not request.finished:
+                    for wait in request.waits:
+                        with self.settling.paused():  # the writer's batch may still wait on the store
+                            await wait.cycle.outcomes_ready
+                        outcome = await wait.cycle.outcome_of(wait.keys)
+                        self._tracker.take_outcomes(request, wait.group, wait.chunks, outcome)
+                    self._tracker.settle(request)
+                request.drop_data()  # freed here, a slice at a time, not all at once as the batch ends

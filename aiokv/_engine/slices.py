@@ -92,8 +92,8 @@ class LoopSlice:
 
     __slots__ = ("_budget", "_loop")
 
-    def __init__(self, budget_s: float = SLICE_S) -> None:
-        self._budget = budget_s
+    def __init__(self, budget_s: float | None = None) -> None:
+        self._budget = SLICE_S if budget_s is None else budget_s  # read now: a test may shrink it
         # The lookups' own slices keep a clock of their own, with no lookup ever in flight: they are
         # the urgent work, and a few keys each.
         self._loop = LoopSlices() if _answering_lookups.get() else LoopSlices.of_running_loop()
