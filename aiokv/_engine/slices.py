@@ -86,14 +86,14 @@ def answering_lookups() -> None:
 
 
 class LoopSlice:
-    """A clock over one step: :meth:`tick` yields to the loop once ``budget_s`` has passed since a
+    """A clock over one step: :meth:`tick` yields to the loop once :data:`SLICE_S` has passed since a
     slice of the loop last resumed (:data:`URGENT_SLICE_S`, then a wait for the lookups, while one is
     in flight). Cheap enough to call per request (one ``perf_counter``)."""
 
     __slots__ = ("_budget", "_loop")
 
-    def __init__(self, budget_s: float | None = None) -> None:
-        self._budget = SLICE_S if budget_s is None else budget_s  # read now: a test may shrink it
+    def __init__(self) -> None:
+        self._budget = SLICE_S  # read per clock, not at import: a test may shrink it
         # The lookups' own slices keep a clock of their own, with no lookup ever in flight: they are
         # the urgent work, and a few keys each.
         self._loop = LoopSlices() if _answering_lookups.get() else LoopSlices.of_running_loop()
