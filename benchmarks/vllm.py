@@ -23,12 +23,10 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +39,7 @@ from .vllm_figures import (
     round_figures,
     summarize,
 )
+from .vllm_setup import kv_transfer_config, mooncake_config, mooncake_store, rerun_in_namespace
 from .vllm_workload import BLOCK_SIZE, MODEL_SHAPE, build_workload, stored_bytes_estimate
 
 logger = logging.getLogger("benchmarks.vllm")
@@ -134,54 +133,6 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # -- store and engines ----------------------------------------------------------------------------
-
-
-def mooncake_config(master_address: str) -> dict[str, Any]:
-    """The JSON vLLM users give ``MOONCAKE_CONFIG_PATH``: standalone-store, the engines mount nothing."""
-    return {
-        "metadata_server": "P2PHANDSHAKE",
-        "master_server_address": master_address,
-        "protocol": "tcp",
-        "device_name": "",
-        "mode": "standalone-store",
-        "global_segment_size": 0,
-        "local_buffer_size": 256 << 20,
-    }
-
-
-def kv_transfer_config(
-    name: str, store_config: dict[str, Any], aiokv_extra: dict[str, Any] | None = None
-) -> dict[str, Any] | None:
-    common = {"kv_role": "kv_both", "kv_load_failure_policy": "recompute"}
-    if name == "recompute":
-        return None
-    if name == "vllm":
-        return {"kv_connector": "MooncakeStoreConnector", **common}
-    key_format = "vllm" if name == "aiokv-vllm-keys" else "aiokv"
-    unverified = {"verify_values": False} if name == "aiokv-unverified" else {}
-    full_blocks = {"store_prompt_tails": False} if name == "aiokv-full-blocks" else {}
-    return {
-        "kv_connector": "AiokvConnector",
-        "kv_connector_module_path": "aiokv.integrations.vllm",
-        "kv_connector_extra_config": {
-            "backend": "mooncake",
-            "mooncake_config": store_config,
-            "key_format": key_format,
-            **unverified,
-            **full_blocks,
-            **(aiokv_extra or {}),
-        },
-        **common,
-    }
-
-
-@contextlib.contextmanager
-def mooncake_store(segment_bytes: int) -> Iterator[str]:
-    """A fresh master and a holder process mounting ``segment_bytes``; yields the master's address."""
-    from aiokv.backends.mooncake_master import MooncakeMaster, segment_holder
-
-    with MooncakeMaster() as master, segment_holder(master.address, segment_bytes):
-        yield master.address
 
 
 def engine_env(config_path: Path | None, kv_cache_gib: int, malloc_tunables: str = "") -> dict[str, str]:
@@ -299,15 +250,6 @@ def aiokv_available() -> str | None:
     return None
 
 
-def _rerun_in_namespace(argv: list[str]) -> int:
-    if shutil.which("unshare") is None:
-        logger.error("not in a private network namespace and unshare is missing")
-        return 2
-    logger.info("re-running under unshare -rn (Mooncake must not listen outside this machine)")
-    command = ["unshare", "-rn", "sh", "-c", 'ip link set lo up && exec "$0" "$@"', sys.executable]
-    return subprocess.run([*command, "-m", "benchmarks.vllm", *argv, "--no-unshare"], check=False).returncode
-
-
 def main(argv: list[str] | None = None) -> int:
     args_list = sys.argv[1:] if argv is None else list(argv)
     if "--http" in args_list:  # under vLLM's OpenAI server, over HTTP (benchmarks.vllm_http)
@@ -328,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--configs must name recompute and any of {', '.join(CONFIGS)}; got {unknown}")
     needs_store = any(c != "recompute" for c in configs)
     if needs_store and not _private_namespace():
-        return 2 if args.no_unshare else _rerun_in_namespace(args_list)
+        return 2 if args.no_unshare else rerun_in_namespace(args_list)
     missing = aiokv_available()
     if missing is not None and any(c in AIOKV_CONFIGS for c in configs):
         logger.warning("AiokvConnector left out: %s", missing)

@@ -263,7 +263,7 @@ class EngineDriver:
 def build_llm(spec: dict[str, Any]) -> Any:
     from vllm import LLM
 
-    from aiokv.integrations.vllm.amx import allow_amx_tiles
+    from aiokv.integrations.vllm.common.amx import allow_amx_tiles
 
     allow_amx_tiles()  # the configurations without AiokvConnector too (see that module)
 

@@ -43,7 +43,7 @@ from typing import Any
 
 from aiokv.testing.vllm_server import DEFAULT_ARGS, Completion, VllmServer, running_server
 
-from .vllm import kv_transfer_config, mooncake_config, mooncake_store
+from .vllm_setup import kv_transfer_config, mooncake_config, mooncake_store, rerun_in_namespace
 from .vllm_workload import BLOCK_SIZE, MODEL_SHAPE
 
 logger = logging.getLogger("benchmarks.vllm")
@@ -80,7 +80,7 @@ CONFIGS: dict[str, Config] = {
     "recompute": Config(lambda store, extra: None),
     "vllm": Config(lambda store, extra: kv_transfer_config("vllm", store)),
     "aiokv": Config(lambda store, extra: kv_transfer_config("aiokv", store, extra)),
-    # Values not checksummed (issue 25 item 1's cost: aiokv against this, same run).
+    # Values not checksummed (what checksums cost: aiokv against this, same run).
     "unverified": Config(
         lambda store, extra: kv_transfer_config("aiokv", store, {**extra, "verify_values": False})
     ),
@@ -342,7 +342,7 @@ def ratios(figures_by_name: dict[str, dict[str, Any]]) -> dict[str, dict[str, fl
     aiokv on Mooncake (lower TTFT and CPU, higher requests/s are better)."""
     keys = ("ttft_p50_s", "ttft_p99_s", "requests_per_s", "server_cpu_s_per_request")
     pairs = [(name, "recompute") for name in figures_by_name if name != "recompute"]
-    # A host tier's hit against the same hit from Mooncake (issue 23 item 4: the tiered goal).
+    # A host tier's hit against the same hit from Mooncake (a host tier is there to answer faster).
     pairs += [
         (a, b)
         for a, b in (("aiokv", "vllm"), ("aiokv", "unverified"), ("tiered", "aiokv"), ("embedded", "aiokv"))
@@ -359,14 +359,13 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(args_list)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     from .cli import _private_namespace
-    from .vllm import _rerun_in_namespace
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown or "recompute" not in configs:
         raise SystemExit(f"--configs must name recompute and any of {', '.join(CONFIGS)}; got {unknown}")
     if not _private_namespace():
-        return 2 if args.no_unshare else _rerun_in_namespace(["--http", *args_list])
+        return 2 if args.no_unshare else rerun_in_namespace(["--http", *args_list])
     prompts = build_prompts(args)
     with contextlib.ExitStack() as stack:
         workdir = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="aiokv-http-")))

@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .report import finish_suite
-from .vllm import engine_env, kv_transfer_config
+from .vllm import engine_env
+from .vllm_setup import kv_transfer_config
 from .vllm_tier import EngineProcess
 from .vllm_workload import BLOCK_SIZE, MODEL_SHAPE
 
@@ -58,7 +59,7 @@ def _engine(spec_path: str) -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from aiokv.integrations.vllm.amx import allow_amx_tiles
+    from aiokv.integrations.vllm.common.amx import allow_amx_tiles
 
     from .vllm_engine import build_llm
 

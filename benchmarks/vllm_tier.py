@@ -28,7 +28,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .vllm import engine_env, kv_transfer_config, mooncake_store
+from .vllm import engine_env
+from .vllm_setup import kv_transfer_config, mooncake_store
 from .vllm_workload import BLOCK_SIZE, MODEL_SHAPE
 
 
@@ -46,7 +47,7 @@ def _engine(spec_path: str) -> None:
     """One engine (its own process), driven by its parent: a JSON command per stdin line (``hit`` a
     prompt with vLLM's prefix cache cleared, ``stats``, ``quit``), each answered by one stdout line
     starting with ``@@`` (vLLM's own log lines go to stdout too)."""
-    from aiokv.integrations.vllm.amx import allow_amx_tiles
+    from aiokv.integrations.vllm.common.amx import allow_amx_tiles
 
     from .vllm_engine import EngineDriver, build_llm
 

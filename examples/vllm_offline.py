@@ -28,7 +28,7 @@ os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1"
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.distributed.kv_transfer import get_kv_transfer_group
-from aiokv.integrations.vllm.amx import allow_amx_tiles
+from aiokv.integrations.vllm.common.amx import allow_amx_tiles
 
 allow_amx_tiles()  # vLLM 0.32's CPU attention uses AMX without asking Linux first (docs/vllm.md)
 

@@ -14,8 +14,9 @@ import pytest
 
 import aiokv.backends.memory as memory_module
 from aiokv.backends.memory import MemoryBackend
-from aiokv.integrations.vllm.host_tier import SchedulerTier, TierIndex, TierReport
-from aiokv.integrations.vllm.tier_worker import TierWorker
+from aiokv.integrations.vllm.common.wire import TierReport
+from aiokv.integrations.vllm.scheduler_side.tier_index import SchedulerTier, TierIndex
+from aiokv.integrations.vllm.worker_side.tier_worker import TierWorker
 from aiokv.keys import HashedPrompt, KeyNamespace
 from aiokv.testing.paged_cache import SENTINEL, GroupCache
 
@@ -313,7 +314,7 @@ def test_a_tier_in_front_of_a_store_reads_local_first_and_promotes() -> None:
     behind is a MemoryBackend of its own, as Mooncake would be): the first load reads every chunk from
     behind and promotes the 4 the scheduler admitted; the second reads those 4 from the tier and the
     rest from behind; every byte is the chunk's."""
-    from aiokv.integrations.vllm.stats_reporter import connector_counters
+    from aiokv.integrations.vllm.common.stats_reporter import connector_counters
     from aiokv.threaded import ThreadedKVWorker
 
     world = World(capacity_chunks=4, ranks=1)
@@ -348,8 +349,7 @@ def test_a_tier_in_front_of_a_store_reads_local_first_and_promotes() -> None:
 
 
 def test_the_tier_backends_and_their_capacity_are_checked() -> None:
-    from aiokv.integrations.vllm.config import ConnectorConfig
-    from aiokv.integrations.vllm.host_tier import tier_capacity_per_rank
+    from aiokv.integrations.vllm.common.connector_config import ConnectorConfig, tier_capacity_per_rank
 
     tiered = ConnectorConfig.from_extra_config({"backend": "tiered", "memory_capacity": "2GiB"})
     assert tiered.host_tier and tiered.remote

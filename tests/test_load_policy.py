@@ -1,4 +1,4 @@
-"""The load policy's decision (aiokv/integrations/vllm/load_policy.py): which part of a hit to load, given
+"""The load policy's decision (scheduler_side.load_policy): which part of a hit to load, given
 measured load and prefill speeds. Times are given, never read from the clock."""
 
 from __future__ import annotations
@@ -7,17 +7,16 @@ import concurrent.futures
 
 import pytest
 
-from aiokv.integrations.vllm.load_meter import LoadMeter
-from aiokv.integrations.vllm.load_policy import (
+from aiokv.integrations.vllm.common.wire import LoadSample, Measurements
+from aiokv.integrations.vllm.scheduler_side.load_policy import (
     PROBE_BUDGET,
     PROBE_EVERY,
     REASONS,
     STALE_S,
     LinearFit,
     LoadPolicy,
-    LoadSample,
-    Measurements,
 )
+from aiokv.integrations.vllm.worker_side.load_meter import LoadMeter
 from aiokv.results import LoadResult
 from tests.vllm.support import require_vllm
 
@@ -194,7 +193,7 @@ def test_the_meter_times_loads_with_the_bytes_ahead_of_them() -> None:
 
 def test_worker_metadata_merges_measurements_of_every_rank() -> None:
     require_vllm()
-    from aiokv.integrations.vllm.metadata import AiokvWorkerMetadata
+    from aiokv.integrations.vllm.common.step_metadata import AiokvWorkerMetadata
 
     one = AiokvWorkerMetadata(measured=loads(1e9, sizes=(1,)))
     two = AiokvWorkerMetadata(measured=steps())
@@ -206,7 +205,7 @@ def test_worker_metadata_merges_measurements_of_every_rank() -> None:
 
 def test_the_option_turns_it_off() -> None:
     require_vllm()
-    from aiokv.integrations.vllm.config import ConnectorConfig
+    from aiokv.integrations.vllm.common.connector_config import ConnectorConfig
 
     assert ConnectorConfig.from_extra_config({}).decline_slow_loads is False
     assert ConnectorConfig.from_extra_config({"decline_slow_loads": True}).decline_slow_loads is True
@@ -226,7 +225,7 @@ def test_one_slow_forward_does_not_make_the_engine_slow() -> None:
 
 def test_every_counter_goes_to_prometheus() -> None:
     require_vllm()
-    from aiokv.integrations.vllm.metrics import COUNTERS
+    from aiokv.integrations.vllm.common.connector_stats import COUNTERS
 
     policy = policy_with(loads(10e6))
     for reason in REASONS:

@@ -12,7 +12,7 @@ import pytest
 
 from aiokv import ThreadedKVWorker
 from aiokv.backends.memory import MemoryBackend
-from aiokv.integrations.vllm.stats_reporter import StatsReporter
+from aiokv.integrations.vllm.common.stats_reporter import StatsReporter
 from aiokv.testing import PagedCache
 
 from .helpers import SAFETY_TIMEOUT_S, hold_loop

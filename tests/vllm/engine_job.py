@@ -68,7 +68,7 @@ def main(job_path: str, out_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from aiokv.integrations.vllm.amx import allow_amx_tiles
+    from aiokv.integrations.vllm.common.amx import allow_amx_tiles
 
     allow_amx_tiles()  # engines without the connector too (see the module)
 

@@ -250,7 +250,7 @@ def one_token_left_pairs(run: dict[str, Any], count: int) -> list[tuple[dict[str
 
 # Bounds of the logprob tolerance. Floor: where a CPU's control is bitwise equal (AMX, tens of tokens
 # computed behind a prefix), only rounding of the JSON floats remains. Cap: corrupted
-# or foreign KV moves the greedy token's logprob by 1 or more (1.6 in the concurrency bug of issue 23),
+# or foreign KV moves the greedy token's logprob by 1 or more (1.6 when concurrent loads once filled each other's blocks),
 # so no control may widen the tolerance to where that would pass.
 LOGPROB_TOLERANCE_FLOOR = 0.02
 LOGPROB_TOLERANCE_CAP = 0.5
@@ -341,8 +341,8 @@ def assert_same_greedy(got: dict[str, Any], want: dict[str, Any], tolerance: flo
     :func:`greedy_tolerance`), up to the end or up to a near-tie: a position where one run ranked the
     other's greedy token second, no more than ``tolerance`` below its own (:func:`near_tie_gap`). There the
     CPU's numerics alone may pick either (seen within ~0.06 on CPUs with and without AMX), and after
-    it the contexts differ, so nothing later is compared. Wrong KV moves logprobs by 1 or more (1.6 in
-    issue 23's concurrency bug) and fails here on any CPU."""
+    it the contexts differ, so nothing later is compared. Wrong KV moves logprobs by 1 or more (1.6 when
+    concurrent loads once filled each other's blocks) and fails here on any CPU."""
     same = first_difference(got, want)
     spread = logprob_spread(got, want)
     assert spread <= tolerance, (
@@ -422,7 +422,7 @@ class CheckedSlowPuts:
 def slow_put_mooncake(config: Any, *, pure_client: bool) -> Any:
     """Backend factory for ``"backend": "tests.vllm.support:slow_put_mooncake"``: Mooncake with every
     put delayed and checked (:class:`CheckedSlowPuts`)."""
-    from aiokv.integrations.vllm.clients import new_mooncake_backend
+    from aiokv.integrations.vllm.common.backend_handles import new_mooncake_backend
 
     inner = new_mooncake_backend(config, pure_client=pure_client)
     return CheckedSlowPuts(
@@ -477,7 +477,7 @@ class KeyLog:
 def key_log_mooncake(config: Any, *, pure_client: bool) -> Any:
     """Backend factory for ``"backend": "tests.vllm.support:key_log_mooncake"``: Mooncake, every put
     and get recorded (:class:`KeyLog`) in the JSON-lines file named by ``AIOKV_TEST_KEY_LOG``."""
-    from aiokv.integrations.vllm.clients import new_mooncake_backend
+    from aiokv.integrations.vllm.common.backend_handles import new_mooncake_backend
 
     return KeyLog(new_mooncake_backend(config, pure_client=pure_client), os.environ["AIOKV_TEST_KEY_LOG"])
 
@@ -581,7 +581,7 @@ class JitteredGets(_GetsWrapper):
 def jittered_gets_mooncake(config: Any, *, pure_client: bool) -> Any:
     """Backend factory for ``"backend": "tests.vllm.support:jittered_gets_mooncake"``: Mooncake with
     every get held back at random (:class:`JitteredGets`, seeded by ``AIOKV_TEST_JITTER_SEED``)."""
-    from aiokv.integrations.vllm.clients import new_mooncake_backend
+    from aiokv.integrations.vllm.common.backend_handles import new_mooncake_backend
 
     inner = new_mooncake_backend(config, pure_client=pure_client)
     return JitteredGets(inner, int(os.environ.get("AIOKV_TEST_JITTER_SEED", "0")))
@@ -604,7 +604,7 @@ def failing_group_gets_mooncake(config: Any, *, pure_client: bool) -> Any:
     """Backend factory for ``"backend": "tests.vllm.support:failing_group_gets_mooncake"``: Mooncake,
     every put and get recorded (:class:`KeyLog`, ``AIOKV_TEST_KEY_LOG``), and the gets of keys
     containing ``AIOKV_TEST_FAIL_KEYS_WITH`` (one KV cache group's) failing (:class:`FailingGets`)."""
-    from aiokv.integrations.vllm.clients import new_mooncake_backend
+    from aiokv.integrations.vllm.common.backend_handles import new_mooncake_backend
 
     logged = KeyLog(new_mooncake_backend(config, pure_client=pure_client), os.environ["AIOKV_TEST_KEY_LOG"])
     return FailingGets(logged, os.environ["AIOKV_TEST_FAIL_KEYS_WITH"])

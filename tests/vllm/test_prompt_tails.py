@@ -26,7 +26,7 @@ def _geometry(sliding_window: int | None = None) -> Any:
         SlidingWindowSpec,
     )
 
-    from aiokv.integrations.vllm.geometry import kv_geometry
+    from aiokv.integrations.vllm.common.from_vllm import kv_geometry
 
     full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     groups = [KVCacheGroupSpec(["full"], full)]
@@ -43,8 +43,8 @@ def _geometry(sliding_window: int | None = None) -> Any:
 
 
 def _tails(**extra: Any) -> Any:
-    from aiokv.integrations.vllm.config import ConnectorConfig
-    from aiokv.integrations.vllm.prompt_tails import PromptTails
+    from aiokv.integrations.vllm.common.connector_config import ConnectorConfig
+    from aiokv.integrations.vllm.scheduler_side.prompt_tails import PromptTails
 
     vllm_config = SimpleNamespace(cache_config=SimpleNamespace(prefix_caching_hash_algo="sha256"))
     return PromptTails(vllm_config, ConnectorConfig.from_extra_config(extra), _geometry())
@@ -102,7 +102,7 @@ def test_the_lookup_asks_for_the_tail_after_every_full_block_only() -> None:
 
 
 def test_the_tail_key_is_the_lookups_last_chunk_and_is_stored_from_the_tail_block() -> None:
-    from aiokv.integrations.vllm.keys import hashed_prompt
+    from aiokv.integrations.vllm.common.block_keys import hashed_prompt
 
     tails, request = _tails(), _request(P)
     hashes = tails.lookup_hashes(request, 15)
@@ -153,9 +153,9 @@ def test_tails_are_off_on_mla_engines() -> None:
     import torch
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, MLAAttentionSpec
 
-    from aiokv.integrations.vllm.config import ConnectorConfig
-    from aiokv.integrations.vllm.geometry import kv_geometry
-    from aiokv.integrations.vllm.prompt_tails import PromptTails
+    from aiokv.integrations.vllm.common.connector_config import ConnectorConfig
+    from aiokv.integrations.vllm.common.from_vllm import kv_geometry
+    from aiokv.integrations.vllm.scheduler_side.prompt_tails import PromptTails
 
     spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=96, dtype=torch.float32)
     geometry = kv_geometry(
@@ -188,7 +188,7 @@ def test_a_hit_ending_in_a_tail_asks_the_window_from_the_chunk_before(tail: bool
     """A sliding-window group (256 tokens) that holds only a window before the hit's end, a hit of 16
     chunks: ending on a block boundary (2,048 tokens) the window is chunks 14-15; ending in a tail
     (up to 2,047 tokens) the last token computed reaches back into chunk 13, so it is asked too."""
-    from aiokv.integrations.vllm.group_lookups import GroupLookup
+    from aiokv.integrations.vllm.scheduler_side.group_lookups import GroupLookup
     from aiokv.keys import HashedPrompt
 
     geometry = _geometry(sliding_window=256)
@@ -198,8 +198,8 @@ def test_a_hit_ending_in_a_tail_asks_the_window_from_the_chunk_before(tail: bool
     assert lookup.ask_windows(geometry.groups, [window, None], BLOCK, wait_s=0.0)
     (asked,) = window.asked
     assert asked.hashes == prompt.hashes[first:]
-    from aiokv.integrations.vllm.config import ConnectorConfig
-    from aiokv.integrations.vllm.state_groups import StateGroups
+    from aiokv.integrations.vllm.common.connector_config import ConnectorConfig
+    from aiokv.integrations.vllm.scheduler_side.state_groups import StateGroups
 
     no_states = StateGroups(geometry, ConnectorConfig.from_extra_config({}))
     assert lookup.found_chunks(BLOCK, no_states) == 16

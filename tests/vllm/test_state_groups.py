@@ -28,9 +28,9 @@ def _state_groups(**extra: Any) -> Any:
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 
-    from aiokv.integrations.vllm.config import ConnectorConfig
-    from aiokv.integrations.vllm.geometry import kv_geometry
-    from aiokv.integrations.vllm.state_groups import StateGroups
+    from aiokv.integrations.vllm.common.connector_config import ConnectorConfig
+    from aiokv.integrations.vllm.common.from_vllm import kv_geometry
+    from aiokv.integrations.vllm.scheduler_side.state_groups import StateGroups
 
     full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     state = MambaSpec(
@@ -66,7 +66,7 @@ def test_only_handed_over_states_at_chunk_ends_of_the_prompt_are_stored() -> Non
     (spec,) = states.stores(SimpleNamespace(boundary_state_offloads=offloads), {"r": request})
     assert spec.req_id == "r" and spec.block_ids == ((7,), ()) and spec.first_chunks == (0, 0)
     # The key is the chunk digest of the prefix the state ends (7 blocks): the attention group's 7th.
-    from aiokv.integrations.vllm.keys import hashed_prompt
+    from aiokv.integrations.vllm.common.block_keys import hashed_prompt
 
     prefix = hashed_prompt(request.block_hashes, 7, states.config, BLOCK)
     assert spec.prompt.hashes == prefix.hashes[-1:]

@@ -1,4 +1,4 @@
-"""AMX tile permission (``aiokv.integrations.vllm.amx``) and the key tag that names AMX kernels.
+"""AMX tile permission (``aiokv.integrations.vllm.common.amx``) and the key tag that names AMX kernels.
 
 vLLM 0.32's CPU attention executes AMX tile instructions without asking Linux for permission; in a
 process where nothing asked, it dies with SIGILL. Each check runs in a fresh interpreter, so nothing
@@ -27,8 +27,8 @@ def tile_permission():
         return None
     return bool(mask.value >> 18 & 1)
 before = tile_permission()
-from aiokv.integrations.vllm.amx import allow_amx_tiles, amx_tiles_supported
-from aiokv.integrations.vllm.keys import device_tag
+from aiokv.integrations.vllm.common.amx import allow_amx_tiles, amx_tiles_supported
+from aiokv.integrations.vllm.common.block_keys import device_tag
 supported = amx_tiles_supported()
 allowed = allow_amx_tiles()
 print(json.dumps({"before": before, "supported": supported, "allowed": allowed,

@@ -17,7 +17,7 @@ def _vllm() -> None:
 
 
 def test_defaults_and_every_key_checked() -> None:
-    from aiokv.integrations.vllm.config import ConnectorConfig
+    from aiokv.integrations.vllm.common.connector_config import ConnectorConfig
 
     config = ConnectorConfig.from_extra_config({})
     assert (config.backend, config.key_format, config.chunk_blocks, config.load_async) == (
@@ -55,7 +55,7 @@ def test_defaults_and_every_key_checked() -> None:
 
 def test_mooncake_json_as_vllm_users_write_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from aiokv.backends.mooncake import MooncakeConfig
-    from aiokv.integrations.vllm.config import mooncake_client_config
+    from aiokv.integrations.vllm.common.connector_config import mooncake_client_config
 
     vllm_json: dict[str, Any] = {
         "metadata_server": "P2PHANDSHAKE",
@@ -101,7 +101,7 @@ def test_geometry_and_refusals() -> None:
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    from aiokv.integrations.vllm.geometry import kv_geometry, kv_layout_from_tensors
+    from aiokv.integrations.vllm.common.from_vllm import kv_geometry, kv_layout_from_tensors
 
     full = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     (group,) = kv_geometry(_kv_cache_config(full)).groups
@@ -152,7 +152,7 @@ def test_state_groups_geometry_and_refusals() -> None:
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
-    from aiokv.integrations.vllm.geometry import engine_layout, kv_geometry
+    from aiokv.integrations.vllm.common.from_vllm import engine_layout, kv_geometry
 
     full = FullAttentionSpec(block_size=256, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     state = MambaSpec(
@@ -202,8 +202,8 @@ def test_vllm_key_format_is_vllms_own() -> None:
     """Keys under key_format "vllm" are exactly vLLM's MooncakeStoreConnector keys."""
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import KeyMetadata, PoolKey
 
-    from aiokv.integrations.vllm.config import ConnectorConfig
-    from aiokv.integrations.vllm.keys import VllmKeyNamespace, hashed_prompt
+    from aiokv.integrations.vllm.common.block_keys import VllmKeyNamespace, hashed_prompt
+    from aiokv.integrations.vllm.common.connector_config import ConnectorConfig
 
     block_hashes = [bytes([i]) * 32 for i in range(3)]
     for cache_prefix in ("", "prod"):
@@ -226,9 +226,9 @@ def test_hybrid_groups_are_keyed_apart() -> None:
 
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.data import KeyMetadata, PoolKey
 
-    from aiokv.integrations.vllm.config import ConnectorConfig
-    from aiokv.integrations.vllm.geometry import EngineGeometry, KVGeometry
-    from aiokv.integrations.vllm.keys import key_namespace
+    from aiokv.integrations.vllm.common.block_keys import key_namespace
+    from aiokv.integrations.vllm.common.connector_config import ConnectorConfig
+    from aiokv.integrations.vllm.common.geometry import EngineGeometry, KVGeometry
 
     vllm_config = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
@@ -263,7 +263,7 @@ def test_hybrid_groups_are_keyed_apart() -> None:
 
 
 def test_sliding_window_groups_move_only_chunks_after_their_null_blocks() -> None:
-    from aiokv.integrations.vllm.geometry import usable_from
+    from aiokv.integrations.vllm.common.geometry import usable_from
 
     assert usable_from([5, 6, 7, 8], 1) == 0
     assert usable_from([0, 0, 7, 8], 1) == 2
@@ -272,7 +272,7 @@ def test_sliding_window_groups_move_only_chunks_after_their_null_blocks() -> Non
 
 
 def test_a_sliding_window_group_reads_the_window_before_the_hit() -> None:
-    from aiokv.integrations.vllm.geometry import KVGeometry
+    from aiokv.integrations.vllm.common.geometry import KVGeometry
 
     window = KVGeometry(
         ("l0",), block_size=128, page_bytes=1, dtype="bfloat16", is_mla=False, sliding_window=256
@@ -284,8 +284,8 @@ def test_a_sliding_window_group_reads_the_window_before_the_hit() -> None:
 
 
 def test_aiokv_keys_chain_whole_chunks_of_block_hashes() -> None:
-    from aiokv.integrations.vllm.config import ConnectorConfig
-    from aiokv.integrations.vllm.keys import hashed_prompt
+    from aiokv.integrations.vllm.common.block_keys import hashed_prompt
+    from aiokv.integrations.vllm.common.connector_config import ConnectorConfig
 
     config = ConnectorConfig.from_extra_config({"chunk_blocks": 2})
     hashes = [bytes([i]) * 32 for i in range(5)]

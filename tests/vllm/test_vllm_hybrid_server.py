@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from aiokv.integrations.vllm.config import ConnectorConfig
+from aiokv.integrations.vllm.common.connector_config import ConnectorConfig
 from aiokv.testing.tiny_model import write_tiny_sliding_llama, write_word_tokenizer
 from aiokv.testing.vllm_server import running_server
 from tests.vllm.support import (

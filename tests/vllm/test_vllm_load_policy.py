@@ -5,7 +5,7 @@ Two nodes in network namespaces (aiokv.testing.cluster): node 0 holds the Moonca
 a recompute engine and an AiokvConnector engine (benchmarks/vllm_throttle.py, the benchmark's own code
 with a small setting). The link into node 1 is first at full speed, then throttled by a ``tbf`` qdisc to
 40 Mbit/s: ~6 s for a hit's 29.4 MB (16 KiB of KV per token), where the engine recomputes it in a
-fraction of a second (2 s on a 2-core machine under other load). The test asserts decisions (declined
+fraction of a second (a few seconds on 2 busy cores). The test asserts decisions (declined
 tokens and why, cached tokens) and outputs, never a speed.
 """
 

@@ -57,7 +57,7 @@ ENGINE = {
 PARALLEL_TIMEOUT_S = 600
 # vLLM's CPU MLA engines with TP 1 and TP 2 compute visibly different numbers (even in float32 their
 # own greedy tokens for PROMPT part after four), so a latent computed with TP 2 and used with TP 1
-# is only close to the TP-1 engine's own: measured 0.016 here.
+# is only close to the TP-1 engine's own (a few hundredths of a logprob).
 CROSS_TP_LOGPROB_TOLERANCE = 0.05
 PREFIX_CACHE_JOB = Path(support.__file__).with_name("prefix_cache_job.py")
 

@@ -281,8 +281,8 @@ def test_no_master_at_start_up_means_no_cache_not_a_hang(world: dict[str, Any]) 
     import time
 
     from aiokv.backends.mooncake_master import free_ports
-    from aiokv.integrations.vllm.clients import acquire_backend
-    from aiokv.integrations.vllm.config import ConnectorConfig
+    from aiokv.integrations.vllm.common.backend_handles import acquire_backend
+    from aiokv.integrations.vllm.common.connector_config import ConnectorConfig
 
     config = ConnectorConfig.from_extra_config(
         {

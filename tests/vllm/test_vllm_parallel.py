@@ -253,9 +253,9 @@ def test_start_up_log_says_which_engines_share_the_keys(
     require_vllm()
     from types import SimpleNamespace
 
-    from aiokv.integrations.vllm.config import ConnectorConfig
+    from aiokv.integrations.vllm.common.connector_config import ConnectorConfig
+    from aiokv.integrations.vllm.common.geometry import EngineGeometry, KVGeometry
     from aiokv.integrations.vllm.connector import _log_key_scope
-    from aiokv.integrations.vllm.geometry import EngineGeometry, KVGeometry
 
     vllm_config = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1),

@@ -1,4 +1,4 @@
-"""A prompt's last partial block (aiokv/integrations/vllm/prompt_tails.py), on real engines and a real
+"""A prompt's last partial block (scheduler_side.prompt_tails), on real engines and a real
 Mooncake store: engine A answers prompts whose lengths are not multiples of a block; a fresh engine B
 loads the whole of each repeated prompt, and only that: a prompt ending elsewhere in the block, another
 tail after the same full blocks, or another cache salt gets the full blocks at most, never the tail.

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from aiokv.integrations.vllm.config import ConnectorConfig
+from aiokv.integrations.vllm.common.connector_config import ConnectorConfig
 from aiokv.testing.tiny_model import write_tiny_llama, write_word_tokenizer
 from aiokv.testing.vllm_server import Completion, running_server
 from tests.vllm.support import (
@@ -58,7 +58,7 @@ P = tokens(60, 2000)  # 15 full blocks: 3 chunks of 4 blocks (AiokvConnector), 1
 Q = tokens(61, 2000)
 P_SHARING = [P[:1024] + tokens(70 + i, 676) for i in range(4)]
 Q_SHARING = [Q[:1536] + tokens(80 + i, 364) for i in range(4)]
-SCENARIO = [P, P, Q, Q, *P_SHARING, *Q_SHARING]  # issue 23's 12 concurrent requests
+SCENARIO = [P, P, Q, Q, *P_SHARING, *Q_SHARING]  # 12 concurrent requests: repeats, and prompts sharing prefixes
 LABELS = ["P", "P", "Q", "Q", *(f"P{i}" for i in range(4)), *(f"Q{i}" for i in range(4))]
 # Stored by a server stopped with SIGINT while their stores are in flight.
 STOPPED = [tokens(90 + i, 1700) for i in range(3)]
@@ -251,7 +251,7 @@ def test_fresh_server_loads_what_a_stopped_one_stored(
 def test_concurrent_scenario_matches_the_reference_in_every_round(
     loading_server: Any, reference: dict[str, Any], tolerance: float
 ) -> None:
-    """Issue 23's 12 concurrent requests, ``ROUNDS`` times over HTTP: every request of every round
+    """The 12 concurrent requests of ``SCENARIO``, ``ROUNDS`` times over HTTP: every request of every round
     generates the reference's greedy tokens (logprobs within the control's tolerance). Every hit is
     loaded anew each round (no prefix caching); after the first round the sharing prompts' own
     chunks are in the store too, so rounds differ in their hits."""

@@ -4,8 +4,9 @@
                         "kv_connector_module_path": "aiokv.integrations.vllm",
                         "kv_role": "kv_both", "kv_connector_extra_config": {...}}
 
-vLLM builds one instance per role: the scheduler's (:mod:`.scheduler`) and each worker's
-(:mod:`.worker`). Keys and extra-config keys: docs/vllm.md.
+vLLM builds one instance per role; this facade only delegates, to the scheduler side
+(:mod:`.scheduler_side`, in the scheduler's process) or to the worker side (:mod:`.worker_side`, in each
+worker's). What both use is in :mod:`.common`. Keys and extra-config keys: docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -23,31 +24,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.platforms import current_platform
 
-from .amx import allow_amx_tiles
-from .config import ConnectorConfig
-from .geometry import EngineGeometry, kv_geometry
-from .keys import key_namespace
-from .metadata import AiokvConnectorMetadata, AiokvWorkerMetadata
-from .metrics import AiokvConnectorStats, AiokvPromMetrics
-from .scheduler import SchedulerSide
-from .worker import WorkerSide
+from .common.amx import allow_amx_tiles
+from .common.connector_config import ConnectorConfig
+from .common.connector_stats import AiokvConnectorStats, AiokvPromMetrics
+from .common.from_vllm import check_tiers_fit, kv_geometry
+from .common.step_metadata import AiokvConnectorMetadata
+from .common.vllm_logging import log_through_vllm
+from .scheduler_side.connector_scheduler import SchedulerSide
+from .worker_side.connector_worker import WorkerSide
 
 logger = logging.getLogger("aiokv.vllm")
-
-
-def log_through_vllm() -> None:
-    """Inside vLLM, aiokv's records go where vLLM's go, unless the application configured logging.
-
-    vLLM configures only its own ``vllm`` logger; with no handler on ``aiokv`` or the root logger, the
-    connector's INFO lines (registration, key scope) would never show and its warnings would lose
-    vLLM's format."""
-    ours, root, theirs = logging.getLogger("aiokv"), logging.getLogger(), logging.getLogger("vllm")
-    if ours.handlers or root.handlers or not theirs.handlers:
-        return
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    if ours.level == logging.NOTSET:
-        ours.setLevel(theirs.getEffectiveLevel())
 
 
 class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
@@ -62,30 +48,17 @@ class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
             allow_amx_tiles()  # vLLM's CPU attention would otherwise die with SIGILL on AMX hosts
         if kv_cache_config is None:
             raise ValueError("AiokvConnector needs vLLM's kv_cache_config (vLLM >= 0.32)")
-        transfer = vllm_config.kv_transfer_config
-        self.config = ConnectorConfig.from_extra_config(transfer.kv_connector_extra_config)
+        self.config = ConnectorConfig.from_extra_config(
+            vllm_config.kv_transfer_config.kv_connector_extra_config
+        )
         geometry = kv_geometry(kv_cache_config)
-        if geometry.hybrid and self.config.host_tier:
-            # The tier's index and workers hold one group's chunks; per-group tiers are not built.
-            raise ValueError(
-                f"AiokvConnector backend {self.config.backend!r} (the host tier) supports models with one "
-                f"KV cache group; this model has {len(geometry.groups)} (hybrid allocator: "
-                f"{', '.join(group.kind for group in geometry.groups)}): use backend 'mooncake', or disable "
-                "vLLM's hybrid allocator"
-            )
-        if transfer.kv_load_failure_policy != "recompute" and role == KVConnectorRole.SCHEDULER:
-            logger.warning(
-                "aiokv: kv_load_failure_policy is %r: a request whose KV fails to load errors out; "
-                "set kv_load_failure_policy='recompute' to recompute those blocks instead",
-                transfer.kv_load_failure_policy,
-            )
+        check_tiers_fit(self.config, geometry)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
                 vllm_config, self.config, geometry, int(kv_cache_config.num_blocks)
             )
-            _log_key_scope(vllm_config, self.config, geometry)
         else:
             self._worker = WorkerSide(vllm_config, self.config, geometry)
 
@@ -135,8 +108,8 @@ class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        if self._worker is not None and self._worker.meter is not None:
-            self._worker.meter.forward_begins()  # vLLM binds the metadata just before the forward
+        if self._worker is not None:
+            self._worker.forward_begins()  # vLLM binds the metadata just before the forward
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._work().start_load_kv(_meta(self._get_connector_metadata()))
@@ -168,12 +141,9 @@ class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
         return self._work().get_block_ids_with_load_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        """The host tier's writes since the last step, for the scheduler's index (host_tier.py), and
-        the load policy's measurements (load_policy.py)."""
-        worker = self._work()
-        report = worker.tier.report() if worker.tier is not None else None
-        measured = worker.meter.take() if worker.meter is not None else None
-        return AiokvWorkerMetadata(report, measured) if report is not None or measured else None
+        """The host tier's writes since the last step, for the scheduler's index, and the load policy's
+        measurements."""
+        return self._work().worker_metadata()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Worker side: wait until every store submitted so far is in the store (or failed).
@@ -224,28 +194,3 @@ def _meta(meta: KVConnectorMetadata) -> AiokvConnectorMetadata:
     if not isinstance(meta, AiokvConnectorMetadata):
         raise TypeError(f"AiokvConnector got {type(meta).__name__} metadata")
     return meta
-
-
-def _log_key_scope(vllm_config: Any, config: ConnectorConfig, geometry: EngineGeometry) -> None:
-    """Say which engines share this engine's keys: engines of other TP sizes (a prefill engine with
-    TP 2, a decode engine with TP 4) simply miss each other's KV, which is otherwise silent."""
-    parallel = vllm_config.parallel_config
-    namespace = key_namespace(vllm_config, config, geometry, tp_rank=0, pp_rank=0)
-    if config.key_format == "vllm" and not geometry.is_mla:
-        logger.info(
-            "aiokv: keys in vLLM's format under %r name no TP size: give every engine sharing them TP "
-            "size %d (another size's values do not fit; their loads fail and are recomputed)",
-            namespace.model,
-            parallel.tensor_parallel_size,
-        )
-        return
-    if geometry.is_mla:
-        scope = f"any TP size (MLA: one shared key per chunk) and PP size {parallel.pipeline_parallel_size}"
-    else:
-        scope = f"TP size {parallel.tensor_parallel_size} and PP size {parallel.pipeline_parallel_size}"
-    logger.info(
-        "aiokv: keys under %r: shared with engines of the same model name, KV layout, %s; "
-        "engines of other sizes miss them",
-        namespace.model,
-        scope,
-    )

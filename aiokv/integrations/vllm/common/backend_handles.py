@@ -3,7 +3,7 @@
 With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` the scheduler-side and worker-side connectors live in one
 process: they share one backend (one Mooncake client). Otherwise each process has its own client; the
 scheduler's is a pure client (no segment). The host-memory tier (``"memory"``, ``"tiered"``) is not a
-shared backend: each worker holds its own (:mod:`.tier_worker`).
+shared backend: each worker holds its own (:mod:`..worker_side.tier_worker`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ...backends.base import Backend
-from .config import ConnectorConfig, mooncake_client_config
+from ....backends.base import Backend
+from .connector_config import ConnectorConfig, mooncake_client_config
 
 logger = logging.getLogger("aiokv.vllm")
 
@@ -27,7 +27,7 @@ _shared: dict[str, list[Any]] = {}  # engine id -> [backend, users]
 
 def new_mooncake_backend(config: ConnectorConfig, *, pure_client: bool) -> Backend:
     """A Mooncake client from the connector's ``mooncake_config`` (or ``MOONCAKE_CONFIG_PATH``)."""
-    from ...backends.mooncake import MooncakeBackend
+    from ....backends.mooncake import MooncakeBackend
 
     client_config = mooncake_client_config(config.mooncake_config, pure_client=pure_client)
     # Mooncake retries a missing master for ~90 s by default; an engine must not sit that long.

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ...keys import HashedPrompt, KeyNamespace
-from ...layout import KVLayout
+from ....keys import HashedPrompt, KeyNamespace
+from ....layout import KVLayout
 from .amx import amx_tiles_supported
-from .config import ConnectorConfig
+from .connector_config import ConnectorConfig
 from .geometry import EngineGeometry, KVGeometry
 
 

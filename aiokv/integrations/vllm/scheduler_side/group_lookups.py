@@ -3,7 +3,7 @@ before it answers vLLM how many tokens a request can load.
 
 Each attention group is asked for its leading run of the prompt's chunks; a sliding-window group whose
 run is shorter than the others' is asked a second round, for the window before their end (vLLM's own
-connector stores only such windows); each state group (state_groups.py) is asked for its state at
+connector stores only such windows); each state group (:mod:`.state_groups`) is asked for its state at
 every chunk end. The hit is as long as every group can serve.
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...keys import HashedPrompt
-from .geometry import KVGeometry
+from ....keys import HashedPrompt
+from ..common.geometry import KVGeometry
 from .state_groups import StateGroups
 
 
@@ -30,7 +30,7 @@ class GroupLookup:
     # and its chunks found from there.
     window: dict[int, tuple[int, concurrent.futures.Future[int]]] | None = None
     end: int = 0  # the hit (in chunks) the second round checks
-    tail: bool = False  # the prompt's last chunk is its partial last block (prompt_tails.py)
+    tail: bool = False  # the prompt's last chunk is its partial last block (:mod:`.prompt_tails`)
 
     def pending(self) -> list[concurrent.futures.Future[int]]:
         """Every future asked so far."""

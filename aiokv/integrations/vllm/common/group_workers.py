@@ -15,12 +15,12 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..._registration import merged_spans
-from ...keys import KeyNamespace
-from ...layout import KVLayout
-from ...leases import LeaseBudget
-from ...threaded import ThreadedKVWorker
-from .clients import safe_call
+from ...._registration import merged_spans
+from ....keys import KeyNamespace
+from ....layout import KVLayout
+from ....leases import LeaseBudget
+from ....threaded import ThreadedKVWorker
+from .backend_handles import safe_call
 
 logger = logging.getLogger("aiokv.vllm")
 

@@ -1,5 +1,5 @@
-"""The worker's measurements for the load policy (:mod:`.load_policy`): how fast loads land and how fast
-the engine computes.
+"""The worker's measurements for the load policy (:mod:`..scheduler_side.load_policy`): how fast
+loads land and how fast the engine computes.
 
 A load is timed from its submission until every group's future is done, with the bytes it loaded and
 the bytes of this worker's loads still in flight when it was submitted (it queues behind them). A
@@ -16,8 +16,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from ...results import LoadResult
-from .load_policy import LoadSample, Measurements
+from ....results import LoadResult
+from ..common.wire import LoadSample, Measurements
 
 
 class LoadMeter:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...backends.mooncake import CONFIG_ENV_VAR, parse_size
+from ....backends.mooncake import CONFIG_ENV_VAR, parse_size
 
 logger = logging.getLogger("aiokv.vllm")
 
@@ -248,3 +248,9 @@ def mooncake_client_config(source: Mapping[str, Any] | str | None, *, pure_clien
         config["global_segment_size"] = 0
         config["local_buffer_size"] = 16 << 20
     return config
+
+
+def tier_capacity_per_rank(config: ConnectorConfig, world_size: int) -> int:
+    """Each worker's share of ``memory_capacity`` (the engine's whole host tier, as vLLM's
+    ``--kv-offloading-size`` counts it): every rank holds its shard of the same chunks."""
+    return int(config.memory_capacity) // max(1, world_size)

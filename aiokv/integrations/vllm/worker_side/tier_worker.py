@@ -1,4 +1,5 @@
-"""A worker process's side of the host-memory tier (the index and the design: :mod:`.host_tier`).
+"""A worker process's side of the host-memory tier (the index and the design:
+:mod:`..scheduler_side.tier_index`).
 
 :class:`TierWorker` holds this rank's shard of the tier's chunks in a bounded :class:`MemoryBackend`
 of its own, moved by an aiokv worker of its own, and optionally the aiokv worker of a store behind the
@@ -24,19 +25,20 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from ...backends.memory import MemoryBackend
-from ...keys import HashedPrompt, KeyNamespace
-from ...layout import KVLayout
-from ...results import LoadResult, StoreResult
-from ...threaded import ThreadedKVWorker
-from .host_tier import TierReport, TierStep, copy_outcome, tier_capacity_per_rank
+from ....backends.memory import MemoryBackend
+from ....keys import HashedPrompt, KeyNamespace
+from ....layout import KVLayout
+from ....results import LoadResult, StoreResult
+from ....threaded import ThreadedKVWorker
+from ..common.chained_futures import copy_outcome
+from ..common.connector_config import ConnectorConfig, tier_capacity_per_rank
+from ..common.stats_reporter import TIER_COUNTERS
+from ..common.wire import TierReport, TierStep
+from .chunk_movers import ChunkRequest
 
 logger = logging.getLogger("aiokv.vllm")
 
 T = TypeVar("T")
-Request = tuple[HashedPrompt, Sequence[Sequence[int]]]  # (chunks, [block ids]) as ThreadedKVWorker takes
-
-TIER_COUNTERS = ("hits", "bytes_read", "bytes_written", "evictions", "promotions")
 
 
 def _settled(value: T) -> concurrent.futures.Future[T]:
@@ -73,7 +75,7 @@ def _when_all(
     return outer
 
 
-def _chunks(prompt: HashedPrompt, blocks: Sequence[int], picked: Sequence[int]) -> Request:
+def _chunks(prompt: HashedPrompt, blocks: Sequence[int], picked: Sequence[int]) -> ChunkRequest:
     """The chunks ``picked`` (indices) of a request, with their blocks."""
     per_chunk = len(blocks) // len(prompt.hashes)
     ids = [b for i in picked for b in blocks[i * per_chunk : (i + 1) * per_chunk]]
@@ -151,7 +153,7 @@ class TierWorker:
     # -- transfers (ThreadedKVWorker's interface) ------------------------------------------------
 
     def store_many(
-        self, requests: Iterable[Request], *, timeout: float | None = None
+        self, requests: Iterable[ChunkRequest], *, timeout: float | None = None
     ) -> list[concurrent.futures.Future[StoreResult]]:
         requests = list(requests)
         picks = [self._take_admitted(prompt.hashes) for prompt, _ in requests]
@@ -191,13 +193,13 @@ class TierWorker:
         return finish
 
     def load_many(
-        self, requests: Iterable[Request], *, timeout: float | None = None
+        self, requests: Iterable[ChunkRequest], *, timeout: float | None = None
     ) -> list[concurrent.futures.Future[LoadResult]]:
         requests = list(requests)
         if self.behind is None:  # everything is read from the tier (a chunk it lacks fails the load)
             return self._submit(self.local.load_many, requests, timeout)
-        from_tier: list[tuple[int, Request]] = []
-        from_behind: list[tuple[int, Request]] = []
+        from_tier: list[tuple[int, ChunkRequest]] = []
+        from_behind: list[tuple[int, ChunkRequest]] = []
         for n, (prompt, blocks) in enumerate(requests):
             held = self.store.batch_exists(self._keys(prompt.hashes))
             if any(held):
@@ -261,14 +263,14 @@ class TierWorker:
         return outer
 
     def _submit_parts(
-        self, method: Callable[..., list[Any]], parts: list[tuple[int, Request]], timeout: float | None
+        self, method: Callable[..., list[Any]], parts: list[tuple[int, ChunkRequest]], timeout: float | None
     ) -> dict[int, concurrent.futures.Future[Any]]:
         """:meth:`_submit` of numbered requests: their futures by number."""
         futures = self._submit(method, [request for _, request in parts], timeout)
         return dict(zip([n for n, _ in parts], futures, strict=True))
 
     def _submit(
-        self, method: Callable[..., list[Any]], requests: list[Request], timeout: float | None
+        self, method: Callable[..., list[Any]], requests: list[ChunkRequest], timeout: float | None
     ) -> list[concurrent.futures.Future[Any]]:
         """``method(requests)``, or one failed future each if the worker refused them all."""
         if not requests:
@@ -333,19 +335,27 @@ def _merged_load(
     return finish
 
 
-def open_tier_worker(layout: KVLayout, side: Any, *, behind: ThreadedKVWorker | None) -> TierWorker:
-    """The host tier of the worker side ``side`` (a ``WorkerSide`` of a single-group engine: its config,
-    namespace, chunk size, whether it writes to the store behind), for this process's TP and PP ranks."""
+def open_tier_worker(
+    layout: KVLayout,
+    namespace: KeyNamespace,
+    chunk_tokens: int,
+    config: ConnectorConfig,
+    *,
+    behind: ThreadedKVWorker | None,
+    behind_writes: bool,
+) -> TierWorker:
+    """The host tier of a single-group engine's worker, for this process's TP and PP ranks, in front of
+    ``behind`` (the store's worker, if any; ``behind_writes``: whether this rank writes to it)."""
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
     tp, pp = get_tp_group(), get_pp_group()
     ranks = int(tp.world_size) * int(pp.world_size)
     return TierWorker(
         layout,
-        side.namespaces[0],
-        side.chunk_tokens,
-        tier_capacity_per_rank(side.config, ranks),
+        namespace,
+        chunk_tokens,
+        tier_capacity_per_rank(config, ranks),
         int(tp.rank_in_group) + int(tp.world_size) * int(pp.rank_in_group),
         behind=behind,
-        behind_writes=side.writes,
+        behind_writes=behind_writes,
     )

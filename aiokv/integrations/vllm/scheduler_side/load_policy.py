@@ -1,14 +1,14 @@
 """Load only what beats recomputing: the scheduler's model of load and prefill speed, and its decision.
 
-The workers measure (:mod:`.load_meter`): every load's bytes and seconds, with the bytes of the loads
-that were in flight ahead of it, and every forward's tokens and seconds. The measurements travel to
-the scheduler in the step's worker metadata; :class:`LoadPolicy` fits, per store, ``seconds = fixed +
-bytes * seconds_per_byte`` and, for the engine, ``seconds = overhead + tokens * seconds_per_token``,
-each an exponentially weighted least-squares fit (half-lives 2 s and 10 s). A load that the fit
-predicts badly (the store slowed down or recovered) drops the older samples: an old large sample would
-otherwise steer the line through a fresh small one. A forward is not trusted that far: one slowed by
-another process on a shared CPU is noise, not a slower engine, so it moves the fit as if it were at
-most 3x off.
+The workers measure (:mod:`..worker_side.load_meter`): every load's bytes and seconds, with the bytes of
+the loads that were in flight ahead of it, and every forward's tokens and seconds. The measurements
+travel to the scheduler in the step's worker metadata; :class:`LoadPolicy` fits, per store, ``seconds =
+fixed + bytes * seconds_per_byte`` and, for the engine, ``seconds = overhead + tokens *
+seconds_per_token``, each an exponentially weighted least-squares fit (half-lives 2 s and 10 s). A load
+that the fit predicts badly (the store slowed down or recovered) drops the older samples: an old large
+sample would otherwise steer the line through a fresh small one. A forward is not trusted that far: one
+slowed by another process on a shared CPU is noise, not a slower engine, so it moves the fit as if it
+were at most 3x off.
 
 For a hit of ``N`` chunks the request waits for its load, then computes the rest of the prompt either
 way, so (both costs being linear in the chunks taken) the best prefix is all of the hit or none of it:
@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from ..common.wire import Measurements
 
 HALF_LIFE_S = 2.0  # weight of a load sample halves every this many seconds
 STEP_HALF_LIFE_S = 10.0  # of a forward's: the engine's speed drifts slowly, a forward's time is noisy
@@ -39,31 +41,6 @@ PROBE_EVERY = 8  # at most one probe per this many declined requests (bounds wha
 MIN_STEP_TOKENS = 32  # forwards of fewer tokens are decode steps: not a prefill measurement
 
 REASONS = ("slow_store", "queued_loads", "fixed_cost")
-
-
-@dataclass
-class LoadSample:
-    """One load, as a worker saw it: its bytes, the bytes of loads in flight ahead of it on the same
-    worker, and seconds from submission to done."""
-
-    source: str
-    nbytes: int
-    ahead_bytes: int
-    seconds: float
-
-
-@dataclass
-class Measurements:
-    """What the workers measured since the last step (merged over ranks by vLLM)."""
-
-    loads: list[LoadSample] = field(default_factory=list)
-    steps: list[tuple[int, float]] = field(default_factory=list)  # (tokens, seconds) per forward
-
-    def merge(self, other: Measurements) -> Measurements:
-        return Measurements([*self.loads, *other.loads], [*self.steps, *other.steps])
-
-    def __bool__(self) -> bool:
-        return bool(self.loads or self.steps)
 
 
 class LinearFit:

@@ -1,12 +1,12 @@
 """The host-memory tier's index: owned by the scheduler, kept true by what every worker reports.
 
 Each worker process (one per TP/PP rank) holds its own shard of every chunk in a bounded store of its
-own (:mod:`.tier_worker`); no memory is shared between processes. The scheduler decides everything
-that enters or leaves those stores and tells every worker the same thing in the step's metadata
-(:class:`TierStep`): chunks to drop (applied first), and chunks the workers may write (a store, or the
-promotion of a chunk loaded from the store behind the tier). Each worker reports the writes it made
-and those it could not through vLLM's worker-to-scheduler channel (``kv_connector_worker_meta``), and
-a chunk becomes a hit only once every rank reported it written: a hit is whole on every rank.
+own (:mod:`..worker_side.tier_worker`); no memory is shared between processes. The scheduler decides
+everything that enters or leaves those stores and tells every worker the same thing in the step's
+metadata (:class:`TierStep`): chunks to drop (applied first), and chunks the workers may write (a store,
+or the promotion of a chunk loaded from the store behind the tier). Each worker reports the writes it
+made and those it could not through vLLM's worker-to-scheduler channel (``kv_connector_worker_meta``),
+and a chunk becomes a hit only once every rank reported it written: a hit is whole on every rank.
 
 So lookups are answered here, from this process's memory, without waiting on a worker; eviction is
 least recently used, within a byte budget per rank; a chunk a load reads is pinned from the step that
@@ -18,11 +18,14 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from ...keys import HashedPrompt
+from ....keys import HashedPrompt
+from ..common.chained_futures import copy_outcome
+from ..common.connector_config import tier_capacity_per_rank
+from ..common.wire import TierReport, TierStep
 
 logger = logging.getLogger("aiokv.vllm")
 
@@ -35,35 +38,6 @@ class LookupClient(Protocol):
     def lookup_many(self, prompts: Iterable[HashedPrompt]) -> list[concurrent.futures.Future[int]]: ...
 
     def close(self, timeout: float | None = None) -> None: ...
-
-
-@dataclass(frozen=True)
-class TierStep:
-    """The scheduler's orders to every worker for one step (pickled with the step's metadata)."""
-
-    removes: tuple[str, ...] = ()  # chunk digests to drop, before any transfer of the step
-    admits: tuple[str, ...] = ()  # chunk digests the workers may write this step (stores, promotions)
-
-
-@dataclass
-class TierReport:
-    """Admitted writes, per worker rank: the digests written and those not written. vLLM merges the
-    reports of all ranks of a step (:meth:`merge`) before the scheduler reads them."""
-
-    stored: dict[int, set[str]] = field(default_factory=dict)
-    failed: dict[int, set[str]] = field(default_factory=dict)
-
-    def merge(self, other: TierReport) -> TierReport:
-        merged = TierReport(
-            {r: set(d) for r, d in self.stored.items()}, {r: set(d) for r, d in self.failed.items()}
-        )
-        for mine, theirs in ((merged.stored, other.stored), (merged.failed, other.failed)):
-            for rank, digests in theirs.items():
-                mine.setdefault(rank, set()).update(digests)
-        return merged
-
-    def __bool__(self) -> bool:
-        return any(self.stored.values()) or any(self.failed.values())
 
 
 @dataclass
@@ -223,22 +197,6 @@ class TierLookup:
             self.remote.close(timeout)
 
 
-def copy_outcome(
-    source: concurrent.futures.Future[Any],
-    target: concurrent.futures.Future[Any],
-    transform: Callable[[Any], Any] = lambda result: result,
-) -> None:
-    """Settle ``target`` as ``source`` settled (its result through ``transform``), unless it is done."""
-    if target.done():
-        return
-    if source.cancelled():
-        target.set_exception(concurrent.futures.CancelledError())
-    elif (exc := source.exception()) is not None:
-        target.set_exception(exc)
-    else:
-        target.set_result(transform(source.result()))
-
-
 def _offset(inner: concurrent.futures.Future[int], tokens: int) -> concurrent.futures.Future[int]:
     """A future answering ``inner``'s tokens plus ``tokens``; cancelling it cancels ``inner``."""
     outer: concurrent.futures.Future[int] = concurrent.futures.Future()
@@ -311,12 +269,6 @@ class SchedulerTier:
 
     def release(self, req_id: str) -> None:
         self.index.unpin(self._pins.pop(req_id, ()))
-
-
-def tier_capacity_per_rank(config: Any, world_size: int) -> int:
-    """Each worker's share of ``memory_capacity`` (the engine's whole host tier, as vLLM's
-    ``--kv-offloading-size`` counts it): every rank holds its shard of the same chunks."""
-    return int(config.memory_capacity) // max(1, world_size)
 
 
 def scheduler_tier(vllm_config: Any, config: Any, geometry: Any) -> SchedulerTier | None:

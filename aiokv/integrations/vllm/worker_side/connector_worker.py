@@ -21,17 +21,19 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping
 from typing import Any
 
-from ...backends.verified import VerifiedBackend
-from ...results import LoadResult
-from ...threaded import ThreadedKVWorker
-from .clients import acquire_backend, at_exit, release_backend, safe_call
-from .config import ConnectorConfig
-from .geometry import EngineGeometry, engine_layout
-from .group_workers import GroupWorkers
-from .keys import key_namespace, value_fingerprint
+from ....backends.verified import VerifiedBackend
+from ....results import LoadResult
+from ..common.backend_handles import acquire_backend, at_exit, release_backend, safe_call
+from ..common.block_keys import key_namespace, value_fingerprint
+from ..common.connector_config import ConnectorConfig
+from ..common.from_vllm import engine_layout
+from ..common.geometry import EngineGeometry
+from ..common.group_workers import GroupWorkers
+from ..common.stats_reporter import StatsReporter
+from ..common.step_metadata import AiokvConnectorMetadata, AiokvWorkerMetadata
+from ..common.wire import TransferSpec
+from .chunk_movers import ChunkMover
 from .load_meter import LoadMeter
-from .metadata import AiokvConnectorMetadata, TransferSpec
-from .stats_reporter import StatsReporter
 from .tier_worker import TierWorker, open_tier_worker
 
 logger = logging.getLogger("aiokv.vllm")
@@ -109,7 +111,7 @@ class WorkerSide:
         # This rank's host tier (single-group engines: the connector refuses it on hybrid ones); it
         # then moves the group's chunks, in front of the store's worker if any.
         self.tier: TierWorker | None = None
-        # The load policy's measurements (load_policy.py), reported to the scheduler each step.
+        # The load policy's measurements (scheduler_side.load_policy), reported to the scheduler each step.
         self.meter: LoadMeter | None = None
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
@@ -136,9 +138,16 @@ class WorkerSide:
                     chunk_tokens=self.chunk_tokens,
                     executor_threads=self.config.executor_threads,
                 )
-            if self.config.host_tier:  # this rank's host tier, in front of the store if any (tier_worker.py)
+            if self.config.host_tier:  # this rank's host tier, in front of the store if any (tier_worker)
                 behind = self._groups.workers[0] if self._groups is not None else None
-                self.tier = open_tier_worker(layouts[0], self, behind=behind)
+                self.tier = open_tier_worker(
+                    layouts[0],
+                    self.namespaces[0],
+                    self.chunk_tokens,
+                    self.config,
+                    behind=behind,
+                    behind_writes=self.writes,
+                )
                 self.writes = True  # every rank holds its own tier, whoever writes to the store behind
         except Exception as exc:
             logger.error("aiokv: cannot register the KV cache with the store (%s); running without it", exc)
@@ -177,6 +186,18 @@ class WorkerSide:
         return verified
 
     # -- each step ------------------------------------------------------------------------------
+
+    def forward_begins(self) -> None:
+        """vLLM is about to run a forward (it binds the step's metadata just before)."""
+        if self.meter is not None:
+            self.meter.forward_begins()
+
+    def worker_metadata(self) -> AiokvWorkerMetadata | None:
+        """What this rank tells the scheduler after a step: the host tier's writes since the last
+        report, for the tier's index, and the load policy's measurements; None if nothing."""
+        report = self.tier.report() if self.tier is not None else None
+        measured = self.meter.take() if self.meter is not None else None
+        return AiokvWorkerMetadata(report, measured) if report is not None or measured else None
 
     def handle_preemptions(self, meta: AiokvConnectorMetadata) -> None:
         """Before each step's forward: wait for the stores whose blocks this forward may rewrite."""
@@ -392,7 +413,7 @@ class WorkerSide:
             release_backend(self.engine_id, backend)
 
     @property
-    def _workers(self) -> list[ThreadedKVWorker | TierWorker]:
+    def _workers(self) -> list[ChunkMover]:
         """The worker moving each KV cache group's chunks: the host tier's, if there is one."""
         if self.tier is not None:
             return [self.tier]

@@ -27,11 +27,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ...keys import HashedPrompt
-from .config import ConnectorConfig
-from .geometry import NULL_BLOCK_ID, EngineGeometry
-from .keys import hashed_prompt
-from .metadata import TransferSpec
+from ....keys import HashedPrompt
+from ..common.block_keys import hashed_prompt
+from ..common.connector_config import ConnectorConfig
+from ..common.geometry import NULL_BLOCK_ID, EngineGeometry
+from ..common.wire import TransferSpec
 
 
 class PromptTails:

@@ -18,21 +18,22 @@ from typing import Any
 
 import numpy as np
 
-from ...keys import HashedPrompt
-from ...leases import LeaseBudget
-from .clients import acquire_backend, at_exit, release_backend
-from .config import ConnectorConfig
-from .geometry import EngineGeometry, usable_from
+from ....keys import HashedPrompt
+from ....leases import LeaseBudget
+from ..common.backend_handles import acquire_backend, at_exit, release_backend
+from ..common.block_keys import hashed_prompt, key_namespace
+from ..common.connector_config import ConnectorConfig
+from ..common.geometry import EngineGeometry, usable_from
+from ..common.group_workers import GroupWorkers
+from ..common.stats_reporter import CounterDeltas
+from ..common.step_metadata import AiokvConnectorMetadata
+from ..common.wire import TransferSpec
 from .group_lookups import GroupLookup
-from .group_workers import GroupWorkers
-from .host_tier import LookupClient, scheduler_tier
-from .keys import hashed_prompt, key_namespace
 from .load_policy import Decision, LoadPolicy
-from .metadata import AiokvConnectorMetadata, TransferSpec
 from .prompt_tails import PromptTails
 from .state_groups import StateGroups
-from .stats_reporter import CounterDeltas
 from .step_stores import StepStores
+from .tier_index import LookupClient, scheduler_tier
 
 logger = logging.getLogger("aiokv.vllm")
 
@@ -95,7 +96,7 @@ class SchedulerSide:
                 ],
             )
         self._clients: list[LookupClient] = list(self._groups.workers) if self._groups is not None else []
-        # Host tier (backend "memory"/"tiered"): its index lives here, see host_tier.py. Single-group
+        # Host tier (backend "memory"/"tiered"): its index lives here, see :mod:`.tier_index`. Single-group
         # engines only (the connector refuses it on hybrid ones).
         self._tier = scheduler_tier(vllm_config, config, geometry.groups[0])
         if self._tier is not None and self.can_load:
@@ -111,17 +112,24 @@ class SchedulerSide:
         # asks again: answering the same hit would load the same unreadable keys forever).
         self._load_blocks: dict[str, set[int]] = {}
         self._load_failed: set[str] = set()
-        # Load only what beats recomputing (load_policy.py); None: every hit is loaded.
+        # Load only what beats recomputing (:mod:`.load_policy`); None: every hit is loaded.
         self._policy = LoadPolicy(config.backend) if config.decline_slow_loads and self._clients else None
         self._chunk_bytes = sum(g.chunk_bytes(config.chunk_blocks) for g in geometry.groups)
         # Linear-attention / Mamba groups: their states are asked for, stored and loaded apart.
         self._states = StateGroups(geometry, config)
         self._attention = [g for g, group in enumerate(geometry.groups) if not group.is_state]
-        # Prompts' last partial blocks (prompt_tails.py), stored once their requests end.
+        # Prompts' last partial blocks (:mod:`.prompt_tails`), stored once their requests end.
         self._tails = PromptTails(vllm_config, config, geometry)
         self._stores = StepStores(config, self.block_size, self._tails, self._states)
         self.counters: Counter[str] = Counter()
         self._deltas = CounterDeltas()
+        if transfer.kv_load_failure_policy != "recompute":
+            logger.warning(
+                "aiokv: kv_load_failure_policy is %r: a request whose KV fails to load errors out; "
+                "set kv_load_failure_policy='recompute' to recompute those blocks instead",
+                transfer.kv_load_failure_policy,
+            )
+        log_key_scope(vllm_config, config, geometry)
 
     # -- lookups --------------------------------------------------------------------------------
 
@@ -242,7 +250,7 @@ class SchedulerSide:
         allocated (a load never writes a block the request was not given); the blocks of the hit left
         unloaded are reported failed, so vLLM recomputes them instead of reading what they hold. A
         sliding-window group gets null blocks before its window: only the chunks after them load. A
-        state group loads the state at the hit's end (state_groups.py)."""
+        state group loads the state at the hit's end (:mod:`.state_groups`)."""
         first = hit.local // self.chunk_tokens
         end_token = hit.local + num_external_tokens
         wanted = min(-(-end_token // self.chunk_tokens), len(hit.prompt.hashes))
@@ -365,3 +373,28 @@ class SchedulerSide:
         if self._backend is not None:
             backend, self._backend = self._backend, None
             release_backend(self.engine_id, backend)
+
+
+def log_key_scope(vllm_config: Any, config: ConnectorConfig, geometry: EngineGeometry) -> None:
+    """Say which engines share this engine's keys: engines of other TP sizes (a prefill engine with
+    TP 2, a decode engine with TP 4) simply miss each other's KV, which is otherwise silent."""
+    parallel = vllm_config.parallel_config
+    namespace = key_namespace(vllm_config, config, geometry, tp_rank=0, pp_rank=0)
+    if config.key_format == "vllm" and not geometry.is_mla:
+        logger.info(
+            "aiokv: keys in vLLM's format under %r name no TP size: give every engine sharing them TP "
+            "size %d (another size's values do not fit; their loads fail and are recomputed)",
+            namespace.model,
+            parallel.tensor_parallel_size,
+        )
+        return
+    if geometry.is_mla:
+        scope = f"any TP size (MLA: one shared key per chunk) and PP size {parallel.pipeline_parallel_size}"
+    else:
+        scope = f"TP size {parallel.tensor_parallel_size} and PP size {parallel.pipeline_parallel_size}"
+    logger.info(
+        "aiokv: keys under %r: shared with engines of the same model name, KV layout, %s; "
+        "engines of other sizes miss them",
+        namespace.model,
+        scope,
+    )

@@ -9,9 +9,11 @@ import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from ...codes import Code
-from ...errors import WorkerClosedError
-from .tier_worker import TIER_COUNTERS
+from ....codes import Code
+from ....errors import WorkerClosedError
+
+# The host tier's own counters, reported next to the worker's.
+TIER_COUNTERS = ("hits", "bytes_read", "bytes_written", "evictions", "promotions")
 
 
 class StatsSource(Protocol):

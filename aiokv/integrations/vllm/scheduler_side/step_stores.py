@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ...keys import HashedPrompt
-from .config import ConnectorConfig
-from .geometry import usable_from
-from .keys import hashed_prompt
-from .metadata import TransferSpec
+from ....keys import HashedPrompt
+from ..common.block_keys import hashed_prompt
+from ..common.connector_config import ConnectorConfig
+from ..common.geometry import usable_from
+from ..common.wire import TransferSpec
 from .prompt_tails import PromptTails
 from .state_groups import StateGroups
 
