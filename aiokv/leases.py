@@ -1,4 +1,4 @@
-"""How much a worker's lookups may hold of a store's read leases (issue 25 part 3).
+"""How much a worker's lookups may hold of a store's read leases.
 
 A store whose existence check grants a read lease (Mooncake: every key ``batch_is_exist`` finds is kept
 from eviction and non-forced removes for ``default_kv_lease_ttl``, 10 s by default) keeps a lookup's hit

@@ -69,8 +69,9 @@ class KVWorker:
     binding converts while it holds the GIL; default: the backend's ``max_regions_per_call``
     attribute, else 16384); ``max_concurrent_batches`` how many batches overlap;
     ``executor_threads`` the threads running backend calls (more overlap more transfers, but every
-    thread converting arguments contends with the loop for the GIL: 2 kept loop lag p99 about half of
-    what 4 gave on 2 cores; existence checks and address computation have a thread of their own);
+    thread converting arguments contends with the loop for the GIL, so the loop's lag grows with them:
+    the default, 2, keeps it well below what 4 cause; existence checks and address computation have a
+    thread of their own);
     ``pressure_backoff_s`` how long stores pause after the store answers "full" (-200).
 
     ``breaker``: the circuit breaker's :class:`~aiokv.breaker.BreakerConfig` (on by default; ``None``

@@ -1,9 +1,9 @@
-"""``python -m benchmarks``: the reference write-up's scenario, aiokv against its baselines, in one run.
+"""``python -m benchmarks``: the long-prompt scenario, aiokv against its baselines, in one run.
 
-1. ``prepare_values``: the scalar per-chunk reference, the write-up's vectorised version (lists) and
+1. ``prepare_values``: the scalar per-chunk reference, the vectorised baseline (lists) and
    ``KVLayout.prepare_values`` on the same chunks (plus chunk hashing);
 2. event-loop lag and framework CPU of concurrent long-prompt stores with a sleeping, GIL-releasing
-   backend: aiokv against the write-up's thread-per-request design;
+   backend: aiokv against the thread-per-request baseline;
 3. end to end through the worker on the chosen backend with real bytes: CPU per request, loop lag
    with 1 and N concurrent requests, and throughput against direct backend batch calls on the same
    keys and regions (on Mooncake also the GIL-held time per request).
@@ -78,8 +78,8 @@ SUITES = {
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks",
-        description="The reference write-up's scenario (289K tokens, block 128, 96 regions): the scalar "
-        "reference, the write-up's vectorised version and aiokv side by side, then end to end through "
+        description="The long-prompt scenario (289K tokens, block 128, 96 regions): the scalar "
+        "reference, the vectorised baseline and aiokv side by side, then end to end through "
         "the worker with real bytes against direct backend calls.",
         epilog=f"Mooncake without --master starts a loopback master; run it in a private network "
         f"namespace: {NAMESPACE_COMMAND}. Other suites: "
@@ -285,15 +285,15 @@ def run_bench(args: argparse.Namespace, progress: Progress) -> dict[str, Any]:
         )
     repeats = max(3, 3 * args.rounds)
     progress(
-        f"1/3 prepare_values: scalar reference vs write-up vs aiokv, {args.tokens:,} tokens, "
+        f"1/3 prepare_values: scalar reference vs vectorised baseline vs aiokv, {args.tokens:,} tokens, "
         f"{repeats} samples each"
     )
     prepare = run_prepare_benchmark(
         args.tokens, args.block_size, args.regions, args.chunk_tokens, repeats, seed=args.seed
     )
     progress(
-        f"2/3 loop lag + framework CPU: {args.concurrency} concurrent stores, aiokv vs write-up design, "
-        f"{args.rounds} rounds"
+        f"2/3 loop lag + framework CPU: {args.concurrency} concurrent stores, aiokv vs thread-per-request "
+        f"baseline, {args.rounds} rounds"
     )
     loop_lag = run_loop_lag_benchmark(
         tokens=args.tokens,

@@ -126,7 +126,9 @@ def format_rows(rows: list[tuple[str, float, float, float, float, float, float]]
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__.split("\n")[0])
-    parser.add_argument("rev", help="git revision to compare the working tree against (e.g. HEAD~1, c8ca2a6)")
+    parser.add_argument(
+        "rev", help="git revision to compare the working tree against (e.g. HEAD~1, a tag, a commit hash)"
+    )
     parser.add_argument("--scenarios", nargs="+", default=["seed"], help="scenario names (default: seed)")
     parser.add_argument("--rounds", type=int, default=5, help="pairs of runs (default 5)")
     parser.add_argument("--json", type=Path, default=None, help="folder for pyperf suites old.json/new.json")

@@ -1,6 +1,6 @@
-"""Block-major against layer-major KV caches (issue 11): pairs, GIL, loop lag, in one run.
+"""Block-major against layer-major KV caches: pairs, GIL, loop lag, in one run.
 
-The write-up's scenario (289K tokens, block 128, 96 regions; block bytes scaled down to fit memory),
+The long-prompt scenario (289K tokens, block 128, 96 regions; block bytes scaled down to fit memory),
 with one cache allocated three ways (layer-major, block-major per-layer views, one cross-layer region;
 see :mod:`benchmarks.layout_caches`) and described with :meth:`KVLayout.from_tensors`.
 

@@ -48,7 +48,7 @@ class XScenario:
     tokens: int = 16 * 1024
     block_size: int = 16
     layers: int = 32
-    heads: int = 2  # 8 in the example: 4x the bytes (2 GiB per prompt) for this 24 GiB box
+    heads: int = 2  # a Llama-3.1-8B-like model has 8: 4x the bytes (2 GiB per prompt)
     head_dim: int = 128
     itemsize: int = 2
     multi_chunk_tokens: int = 256

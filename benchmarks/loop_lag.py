@@ -1,12 +1,12 @@
-"""Event-loop lag and framework CPU of concurrent long-prompt stores: aiokv versus the write-up's design.
+"""Event-loop lag and framework CPU of concurrent long-prompt stores: aiokv versus a thread per request.
 
 The backend sleeps in every call (releasing the GIL, like a real transfer), so what is measured is the
 framework: hashing, keys, bookkeeping, ``prepare_values``. A ticker task asks the loop to wake every
 millisecond and records how late it wakes while the stores run.
 
 * ``aiokv``: four ``KVWorker.store`` calls submitted at once on the loop.
-* ``write-up``: the design of the reference write-up, one thread per request that hashes, checks
-  existence, calls the list-returning ``prepare_values`` and puts, while the loop only waits.
+* ``baseline``: one thread per request that hashes, checks existence, calls the list-returning
+  ``prepare_values`` and puts, while the loop only waits.
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ async def _bench(
         measured = await measure_loop_lag(run_writeup)
         if r:
             collected.append(measured)
-    results.append(_summarise("write-up (thread per request)", "list", concurrency, collected))
+    results.append(_summarise("baseline (thread per request)", "list", concurrency, collected))
     return results
 
 

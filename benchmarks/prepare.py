@@ -31,7 +31,7 @@ DEFAULT_TOKENS = 289 * 1024
 # Bytes per block of one region: 8 KV heads x 128 dims x 2 bytes (bf16) x 128 tokens.
 DEFAULT_BLOCK_LEN = 8 * 128 * 2 * 128
 _VOCAB = 128_000
-# The issue's speed goals for prepare_values, judged like for like (list inputs) on best times.
+# The speed goals for prepare_values, judged like for like (list inputs) on best times.
 GOAL_VS_SCALAR = 50.0
 GOAL_VS_WRITEUP = 10.0
 
@@ -119,7 +119,7 @@ def _check_equal(
     ref_sizes = [r[1] for r in reference]
     ref_bids = [r[2] for r in reference]
     if writeup_prepare_values(layout, chunks, block_ids) != (ref_addrs, ref_sizes, ref_bids):
-        raise RuntimeError("the write-up's prepare_values disagrees with the scalar reference")
+        raise RuntimeError("the vectorised baseline's prepare_values disagrees with the scalar reference")
     for label, args in (("lists", (chunks, block_ids)), ("arrays", (chunks_array, block_ids_array))):
         addrs, sizes, bids = layout.prepare_values(*args)
         if (addrs.tolist(), sizes.tolist(), bids.tolist()) != (ref_addrs, ref_sizes, ref_bids):
@@ -140,12 +140,12 @@ def run_prepare_benchmark(
     min_sample_s: float = 0.02,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Time the scalar reference, the write-up's version and ``KVLayout.prepare_values`` on one
+    """Time the scalar reference, the vectorised baseline and ``KVLayout.prepare_values`` on one
     prompt, and chunk hashing of its token ids.
 
     Returns ``config`` (the inputs and the machine), ``timings`` (name -> best/median ms per call),
     ``speedups`` (``prepare_values`` vs each baseline, from best and from median times), ``goals_met``
-    (the issue's 50x / 10x goals, on the like-for-like best times) and
+    (the 50x / 10x goals, on the like-for-like best times) and
     ``hashing`` (cost per prompt and per chunk). ``prepare_values`` is timed twice: on the very lists
     the baselines get (the like-for-like figure the speed goals are judged on) and on int64 arrays.
     """

@@ -1,16 +1,16 @@
 """The reference implementations of ``KVLayout.prepare_values``: the oracle the tests compare against
 and the baselines the benchmark measures it against (one home for both).
 
-Both follow the reference write-up's semantics exactly and are kept deliberately unoptimised:
+Both keep the semantics of the original per-chunk code exactly and are kept deliberately unoptimised:
 
 * :func:`reference_prepare_value` is the original scalar code, one Python loop iteration per cache
   region per chunk. It is the definition of the right answer.
-* :func:`writeup_prepare_values` is the write-up's vectorised version: ``np.fromiter`` over the
-  chunks, broadcasting, then ``.tolist()`` back to nested Python lists.
+* :func:`writeup_prepare_values` is the vectorised baseline: ``np.fromiter`` over the chunks,
+  broadcasting, then ``.tolist()`` back to nested Python lists.
 
 They read the layout's geometry as Python lists, as the original code held it (converted once per
 layout and cached), so that neither pays for NumPy scalar arithmetic the original never did. The
-write-up's ``assert`` checks are kept as explicit ``ValueError`` so they survive ``python -O``; no
+original's ``assert`` checks are kept as explicit ``ValueError`` so they survive ``python -O``; no
 other validation is added, because these are yardsticks, not library entry points.
 """
 
@@ -38,7 +38,7 @@ def _geometry(layout: KVLayout) -> tuple[list[int], list[int]]:
 def reference_prepare_value(
     layout: KVLayout, start: int, end: int, block_ids: Sequence[int]
 ) -> tuple[list[int], list[int], int]:
-    """Addresses and sizes of one token range, region by region (the write-up's scalar reference)."""
+    """Addresses and sizes of one token range, region by region (the scalar reference)."""
     base_addrs, block_len = _geometry(layout)
     block_size = layout.block_size
     addr_list: list[int] = []
@@ -58,7 +58,7 @@ def reference_prepare_value(
 def writeup_prepare_values(
     layout: KVLayout, chunks: Sequence[tuple[int, int]], block_ids: Sequence[int]
 ) -> tuple[list[list[int]], list[list[int]], list[int]]:
-    """Addresses and sizes of many token ranges (the write-up's vectorised version)."""
+    """Addresses and sizes of many token ranges (the vectorised baseline)."""
     if not chunks:
         return [], [], []
     kv_caches_base_addr, block_len = _geometry(layout)

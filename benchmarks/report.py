@@ -1,4 +1,4 @@
-"""The report of ``python -m benchmarks``: the issues' goals judged on its figures, the text tables,
+"""The report of ``python -m benchmarks``: the project's goals judged on its figures, the text tables,
 and the optional plot."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 
 PLOT_HINT = "--plot needs matplotlib: pip install 'aiokv[plot]'"
 
-# The issues' goals. They are judged on the full scenario (the defaults); smaller runs report them too.
+# The project's goals. They are judged on the full scenario (the defaults); smaller runs report them too.
 GOAL_LAG_P99_MS = 2.0
 GOAL_FRAMEWORK_CPU_MS = 4.0
 GOAL_THROUGHPUT_RATIO = 0.95
@@ -52,13 +52,13 @@ def _goal(goal: str, target: str, value: float, unit: str, met: bool | None) -> 
 
 
 def goals(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every goal of the issues with the figure it is judged on."""
+    """Every goal with the figure it is judged on."""
     speed = report["prepare"]["speedups"]
     vs_scalar = speed["prepare_values_lists_vs_scalar"]["best"]
     vs_writeup = speed["prepare_values_lists_vs_writeup"]["best"]
     items = [
         _goal("prepare_values (lists) vs scalar reference", ">= 50x", vs_scalar, "x", vs_scalar >= 50),
-        _goal("prepare_values (lists) vs write-up", ">= 10x", vs_writeup, "x", vs_writeup >= 10),
+        _goal("prepare_values (lists) vs vectorised baseline", ">= 10x", vs_writeup, "x", vs_writeup >= 10),
     ]
     ours = next(f for f in report["loop_lag"] if f["design"] == "aiokv" and f["tokens_as"] == "int64 array")
     lag_target, cpu_target = f"<= {GOAL_LAG_P99_MS:g} ms", f"<= {GOAL_FRAMEWORK_CPU_MS:g} ms"
@@ -115,7 +115,7 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
     out.write(f"1. prepare_values, per call over {prep['config']['repeats']} samples (addresses only)\n")
     lines = [
         ("scalar reference (loop over chunks)", "scalar_reference", None, None),
-        ("write-up vectorised (lists)", "writeup_vectorised", None, None),
+        ("vectorised baseline (lists)", "writeup_vectorised", None, None),
         ("aiokv prepare_values, same lists", "prepare_values_lists", "prepare_values_lists_vs_scalar",
          "prepare_values_lists_vs_writeup"),
         ("aiokv prepare_values, int64 arrays", "prepare_values_arrays", "prepare_values_arrays_vs_scalar",
@@ -132,7 +132,7 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
             row.append(f"{s[vs_scalar]['best']:.0f}x" if vs_scalar else "")
             row.append(f"{s[vs_writeup]['best']:.1f}x" if vs_writeup else "")
         rows.append(row)
-    table(out, ["implementation", "best ms", "median ms", "vs scalar", "vs write-up"], rows)
+    table(out, ["implementation", "best ms", "median ms", "vs scalar", "vs baseline"], rows)
 
     lag = report["loop_lag"]
     c = lag[0]["concurrency"]
@@ -151,7 +151,7 @@ def print_report(report: dict[str, Any], out: TextIO) -> None:
     lag_ratio = theirs["lag_p99_ms"] / max(ours["lag_p99_ms"], 1e-9)
     cpu_ratio = theirs["cpu_per_request_ms"] / max(ours["cpu_per_request_ms"], 1e-9)
     out.write(
-        f"  write-up / aiokv (both lists): lag p99 {lag_ratio:.1f}x, CPU per request {cpu_ratio:.1f}x\n"
+        f"  baseline / aiokv (both lists): lag p99 {lag_ratio:.1f}x, CPU per request {cpu_ratio:.1f}x\n"
     )
 
     e2e = report["e2e"]
@@ -214,7 +214,7 @@ def write_plot(report: dict[str, Any], path: Path) -> None:
     t = report["prepare"]["timings"]
     names = [
         ("scalar\nreference", "scalar_reference"),
-        ("write-up\n(lists)", "writeup_vectorised"),
+        ("baseline\n(lists)", "writeup_vectorised"),
         ("aiokv\n(lists)", "prepare_values_lists"),
         ("aiokv\n(arrays)", "prepare_values_arrays"),
     ]

@@ -1,4 +1,4 @@
-"""What the garbage collector walks for requests in flight (issue 10, item 10): for the scale benchmark.
+"""What the garbage collector walks for requests in flight: for the scale benchmark.
 
 CPython 3.11's full collection is not incremental: it walks every tracked object in one go, on
 whichever thread allocates, holding the GIL, so its length is a loop stall no slicing bounds. This

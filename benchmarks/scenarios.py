@@ -5,7 +5,7 @@ checkout, so it imports only aiokv's public API as commit 6b4e374 already had it
 
 ``python benchmarks/scenarios.py NAME [NAME ...]`` prints one JSON object: per scenario, its figures.
 
-* ``seed``: issue 27's seed scenario. Four concurrent 289K-token stores, 128-token blocks, one block per
+* ``seed``: the long-prompt store scenario. Four concurrent 289K-token stores, 128-token blocks, one block per
   chunk, 96 cache regions of 16 KiB blocks; a backend whose every batch call releases the GIL for 1 ms
   and remembers what it stored, declaring no ``max_regions_per_call`` (so the worker splits calls at its
   default). A 0.5 ms ticker measures loop lag. Once with token ids in, once with engine block hashes in
@@ -13,7 +13,7 @@ checkout, so it imports only aiokv's public API as commit 6b4e374 already had it
   the same blocks.
 * ``embedded``: four concurrent stores then loads of 16K-token prompts on the embedded backend
   (``MemoryBackend``), 8 regions of 16 KiB blocks: CPU per request and per byte, GB/s, loop lag.
-* ``throughput``: small requests served continuously (issue 27.3): concurrent callers each store a
+* ``throughput``: small requests served continuously: concurrent callers each store a
   1,024-token prompt (4 chunks of 256 tokens, 2 regions of 1 KiB blocks) on the embedded backend, then
   load it into other blocks, again and again; requests (stores and loads) per second of wall and per
   second of process CPU.

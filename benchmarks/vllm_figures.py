@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 GOAL_TTFT_HIT_RATIO = 0.8
-# Verified values against the same connector without: load time and CPU, store CPU within 5 % (issue 25).
+# Verified values against the same connector without: load time and CPU, store CPU within 5 %.
 VERIFY_RATIO = "aiokv/aiokv-unverified"
 GOAL_VERIFY_RATIO = 1.05
 VERIFY_GOAL_FIGURES = ("ttft_s", "hit_wait_s", "load_cpu_s", "store_cpu_s")
@@ -286,7 +286,7 @@ def summarize(figures: dict[str, dict[str, float]]) -> dict[str, Any]:
                 if key.startswith("ttft_s:"):
                     goals[f"{key} <= {GOAL_TTFT_HIT_RATIO}x vllm"] = ratio <= GOAL_TTFT_HIT_RATIO
     if "aiokv" in figures and "aiokv-unverified" in figures:
-        # What verified values cost: the same connector with verification on against off (issue 25).
+        # What verified values cost: the same connector with verification on against off.
         plain = figures["aiokv-unverified"]
         ratios[VERIFY_RATIO] = {
             key: value / plain[key]

@@ -93,7 +93,7 @@ def loop_tasks() -> set[str]:
     return {t.get_name() for t in asyncio.all_tasks() if t.get_name().startswith("aiokv")}
 
 
-# The single-group rig of the issue-10 argument and shutdown tests.
+# The single-group rig of the argument and shutdown reliability tests.
 ONE_GROUP_SPEC: dict[str, Any] = {"num_regions": 4, "num_blocks": 128, "block_size": 4, "block_lens": 32}
 ONE_GROUP_PER_CHUNK = CHUNK // ONE_GROUP_SPEC["block_size"]
 

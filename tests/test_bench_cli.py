@@ -31,10 +31,10 @@ TINY = ["--tokens", "2048", "--regions", "4", "--block-size", "16", "--chunk-tok
 TABLE_MARKERS = (
     "1. prepare_values",
     "scalar reference",
-    "write-up vectorised (lists)",
+    "vectorised baseline (lists)",
     "aiokv prepare_values, same lists",
     "2. loop lag and framework CPU",
-    "write-up (thread per request)",
+    "baseline (thread per request)",
     "3. end to end on the",
     "worker/direct",
     "store x1",
@@ -70,7 +70,7 @@ def _check_report(report: dict[str, Any], backend: str) -> None:
         ("aiokv", "int64 array"),
         ("aiokv", "list"),
         ("aiokv", "HashedPrompt"),
-        ("write-up (thread per request)", "list"),
+        ("baseline (thread per request)", "list"),
     }
     assert all(f["cpu_per_request_ms"] > 0 and f["wall_ms"] > 0 for f in report["loop_lag"])
 
@@ -141,7 +141,7 @@ def test_quick_preset_and_auto_block_bytes() -> None:
     assert cli._resolve(["--quick", "--tokens", "4096"]).tokens == 4096  # explicit options win
     full = cli._resolve([])
     assert (full.tokens, full.regions, full.block_size, full.chunk_tokens) == (289 * 1024, 96, 128, 128)
-    # The write-up's scenario: 1 KiB blocks keep the e2e working set near 2 GB (16 KiB would be ~33 GB).
+    # The long-prompt scenario: 1 KiB blocks keep the e2e working set near 2 GB (16 KiB would be ~33 GB).
     assert full.block_bytes == 1024
     assert working_set_bytes(289 * 1024, 128, 96, 128, 4, 1024) == 9 * 2312 * 96 * 1024
     assert choose_block_bytes(289 * 1024, 128, 96, 128, 4, budget_bytes=1) == 64

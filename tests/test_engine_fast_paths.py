@@ -1,4 +1,4 @@
-"""Issue 27's shortcuts for the usual answers (every key written or read, one group, bools from
+"""The engine's shortcuts for the usual answers (every key written or read, one group, bools from
 ``batch_exists``) give what the general conversions give, and leave every other answer to them."""
 
 from __future__ import annotations

@@ -164,7 +164,7 @@ def test_writeup_baseline_matches_reference() -> None:
     assert writeup_prepare_values(layout, [], block_ids) == ([], [], [])
 
 
-def test_baselines_keep_the_writeups_span_check() -> None:
+def test_baselines_keep_the_original_span_check() -> None:
     layout = small_layout()
     with pytest.raises(ValueError, match="multiple of block_size 16"):
         reference_prepare_value(layout, 0, 20, [1, 2])
@@ -319,7 +319,7 @@ def test_prepare_values_bit_for_bit_equal_to_reference(case: Case) -> None:
     assert addrs.shape == (n, r) and sizes.shape == (n, r) and bids.shape == (n,)
     expected = reference_all(layout, chunks, block_ids)
     assert (addrs.tolist(), sizes.tolist(), bids.tolist()) == expected
-    # Same answer from array inputs and from the write-up's version.
+    # Same answer from array inputs and from the vectorised baseline.
     as_arrays = layout.prepare_values(
         np.asarray(chunks, dtype=np.int64).reshape(-1, 2), np.asarray(block_ids)
     )

@@ -1,5 +1,5 @@
-"""Issue 5's "behaviour it must prove": partial failures, exceptions and master loss, cancellation in
-the prepare step and behind a busy batch, a failed start, terminate with calls never started, and
+"""What the worker must prove under faults: partial failures, exceptions and master loss, cancellation
+in the prepare step and behind a busy batch, a failed start, terminate with calls never started, and
 store-pressure backoff (cancellation while queued or in a call, deadlines, close and terminate with work
 pending are in test_lifecycle.py).
 

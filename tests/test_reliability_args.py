@@ -1,5 +1,5 @@
-"""Issue 10, items 1, 2 and 13: arguments are owned at the call, ``HashedPrompt`` values are validated
-at the call, and small argument edge cases get consistent, accurate answers.
+"""Arguments are owned at the call, ``HashedPrompt`` values are validated at the call, and small
+argument edge cases get consistent, accurate answers.
 
 Every test runs a real KVWorker on a real MemoryBackend (in aiokv.testing's recording wrapper) and
 checks real bytes in the store and in the engine's cache (one test checks the zero-width case against
@@ -23,7 +23,7 @@ from tests.rig import CHUNK, OneGroupRig
 
 pytestmark = pytest.mark.usefixtures("no_cyclic_gc_until_teardown")
 
-# -- item 1: arguments are owned at the call -------------------------------------------------------------
+# -- arguments are owned at the call ---------------------------------------------------------------------
 
 TOKEN_FORMS = ["list", "cleared-list", "tuple", "int64", "int32", "uint32", "uint16-row", "hashed-list"]
 
@@ -35,7 +35,7 @@ def token_argument(form: str, tokens: np.ndarray) -> tuple[Any, Callable[[np.nda
 
         def reuse_list(other: np.ndarray) -> None:
             if form == "cleared-list":
-                as_list.clear()  # the issue's "clears a token list"
+                as_list.clear()  # a caller that clears its token list after the call
             else:
                 as_list[:] = other.tolist()
 
@@ -146,7 +146,7 @@ async def test_a_block_table_updated_after_store_returns_stores_the_original_blo
     rig.assert_store_holds(tokens, src)
 
 
-# -- item 2: HashedPrompt values validated at the call ---------------------------------------------------
+# -- HashedPrompt values validated at the call -----------------------------------------------------------
 
 BAD_HASHES: list[tuple[str, tuple[Any, ...]]] = [
     ("ints", (1, 2)),
@@ -210,7 +210,7 @@ async def test_bad_hashed_prompt_values_fail_alone_and_never_reach_the_store(
     rig.assert_store_holds(tokens, src)
 
 
-# -- item 13: small argument cases ------------------------------------------------------------------
+# -- small argument cases ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("op", ["put", "get"])

@@ -1,5 +1,5 @@
-"""Issue 10, item 11: MemoryBackend's temporary memory stays within about twice the bytes of one call,
-whatever the regions' alignment or block length, and the bytes moved are exact.
+"""MemoryBackend's temporary memory stays within about twice the bytes of one call, whatever the
+regions' alignment or block length, and the bytes moved are exact.
 
 Peak memory is measured with ``tracemalloc``, which NumPy reports its buffers to; the store's own heap
 is allocated (by a first small put) before measuring, so only a call's temporaries count. The bound is

@@ -1,11 +1,11 @@
-"""Issue 10, items 10 and 12: bounded loop slices at scale, and one batch's copies on every transfer thread.
+"""Bounded loop slices at scale, and one batch's copies on every transfer thread.
 
-Item 10 is pinned by a stall detector, not a speed assert: while a batch of 10,000 requests or a
+Bounded slices are pinned by a stall detector, not a speed assert: while a batch of 10,000 requests or a
 500,000-key prompt is handled, a ticker wakes every millisecond and records the CPU the loop's own
 thread used between two ticks (``time.thread_time``: a loaded machine descheduling the process, or
-a transfer thread holding the GIL, does not count). Before the fix the longest stretch was 0.46-0.69 s
-in both cases; the bound is 200 ms, several times the worst stretch measured after the fix on a loaded
-machine (8-29 ms). A garbage collection of objects made before the measurement is kept out: no
+a transfer thread holding the GIL, does not count). Without slicing the longest stretch is 0.46-0.69 s
+in both cases; the bound is 200 ms, several times the worst stretch with slicing on a loaded machine
+(8-29 ms). A garbage collection of objects made before the measurement is kept out: no
 slicing bounds it.
 """
 
@@ -144,7 +144,7 @@ async def test_a_500000_key_prompt_never_holds_the_loop_long_and_a_lookup_meanwh
         assert probe.worst_ms < STALL_BOUND_MS, f"the loop ran {probe.worst_ms:.0f} ms without a break"
 
 
-# Item 10's remaining causes: objects the garbage collector walks per request, lookups behind a
+# Other causes of loop stalls at scale: objects the garbage collector walks per request, lookups behind a
 # batch's checks, a thread holding the GIL for a whole 62,500-key check.
 
 # Queued: the request, its TransferFuture, its asyncio future; settled: the two futures and the result
@@ -487,7 +487,7 @@ def test_call_pieces_are_consecutive_and_as_long_as_both_limits_allow(
             assert longer.size > per_call or np.unique(longer).size > max_requests
 
 
-# -- item 12: one batch's copies on every transfer thread --------------------------------------------
+# -- one batch's copies on every transfer thread -----------------------------------------------------
 
 
 def test_keys_per_call_spreads_a_large_move_over_the_threads_in_whole_rounds() -> None:
@@ -611,7 +611,7 @@ def test_bench_scale_reports_both_workloads_against_both_baselines(
 
 
 def test_bench_scale_stores_requests_of_several_chunks(tmp_path: Path) -> None:
-    """Issue 27's shape (1,024 tokens in 4 chunks a request), small: every chunk is stored."""
+    """The small-request shape (1,024 tokens in 4 chunks a request), small: every chunk is stored."""
     json_path = tmp_path / "scale.json"
     argv = ["scale", "--requests", "40", "--request-chunks", "4", "--chunk-tokens", "256"]
     assert bench_cli.main([*argv, "--prompt-tokens", "2048", "--rounds", "1", "--json", str(json_path)]) == 0

@@ -1,6 +1,6 @@
-"""Issue 10, items 5 to 7: deadlines and cancel() bite while a request's calls wait for a transfer
-thread, a cancelled close() still finishes the shutdown, and calls holding no caller memory do not
-hold close() past its timeout. Times are bounds only ("finishes within N s instead of hanging").
+"""Deadlines and cancel() bite while a request's calls wait for a transfer thread, a cancelled close()
+still finishes the shutdown, and calls holding no caller memory do not hold close() past its timeout.
+Times are bounds only ("finishes within N s instead of hanging").
 
 Every test runs a real worker on a real MemoryBackend behind aiokv.testing's FaultInjectingBackend;
 hangs are released by the test (or by a timer far past the bound the test asserts).
@@ -67,7 +67,7 @@ async def settled_within(futures: list[Any], bound: float) -> float:
     return time.monotonic() - started
 
 
-# -- item 5: deadlines and cancel() while calls wait in the executor queue ----------------------------
+# -- deadlines and cancel() while calls wait in the executor queue ------------------------------------
 
 
 @pytest.mark.asyncio
@@ -149,7 +149,7 @@ async def test_a_cancel_with_one_call_running_finishes_when_it_returns_and_drops
     assert rig.sent("put", tokens) == [first_key], "calls of a cancelled store started after the cancel"
 
 
-# -- item 6: a cancelled close() still finishes the shutdown ------------------------------------------
+# -- a cancelled close() still finishes the shutdown --------------------------------------------------
 
 
 def unregistered(rig: OneGroupRig) -> int:
@@ -214,7 +214,7 @@ async def test_two_concurrent_closes_both_return_only_after_the_backend_is_relea
     assert store.done() and worker.closed
 
 
-# -- item 7: calls holding no caller memory do not hold close() past its timeout ----------------------
+# -- calls holding no caller memory do not hold close() past its timeout ------------------------------
 
 
 @pytest.mark.asyncio

@@ -1,6 +1,6 @@
-"""Issue 10, items 8 and 9: every ThreadedKVWorker call racing close() returns or raises
-WorkerClosedError, close() on the worker's own loop thread is refused and leaves it intact, a closed
-worker never breaks a Prometheus scrape, and a worker refuses calls from a second event loop.
+"""Every ThreadedKVWorker call racing close() returns or raises WorkerClosedError, close() on the
+worker's own loop thread is refused and leaves it intact, a closed worker never breaks a Prometheus
+scrape, and a worker refuses calls from a second event loop.
 
 Real workers on a real MemoryBackend behind aiokv.testing's FaultInjectingBackend; the close() race
 runs in a child process so that a thread blocked forever cannot outlive the test.
@@ -38,7 +38,7 @@ BOUND_S = 3.0  # "finishes within this instead of hanging"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# -- item 8: ThreadedKVWorker races -------------------------------------------------------------------
+# -- ThreadedKVWorker races ---------------------------------------------------------------------------
 
 
 _RACE_SCRIPT = """
@@ -166,7 +166,7 @@ def test_a_closed_threaded_worker_does_not_break_a_prometheus_scrape() -> None:
     assert "other_total 1.0" in text and stored_line(text) == []
 
 
-# -- item 9: a worker refuses calls from another event loop --------------------------------------------
+# -- a worker refuses calls from another event loop ----------------------------------------------------
 
 
 LOOP_FACTORIES: list[tuple[str, Callable[[], asyncio.AbstractEventLoop]]] = [

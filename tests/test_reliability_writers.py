@@ -1,11 +1,12 @@
-"""Issue 10, items 3 and 4: a store result counts a chunk stored or skipped only when its bytes are
-readable at that moment, with two writers of one prompt (two workers on one MemoryBackend; two
-Mooncake clients), and keys whose reads failed (a SIGKILLed Mooncake writer's) are rewritten.
+"""A store result counts a chunk stored or skipped only when its bytes are readable at that moment, with
+two writers of one prompt (two workers on one MemoryBackend; two Mooncake clients), and keys whose reads
+failed (a SIGKILLed Mooncake writer's) are rewritten.
 
-The choice for item 3: the second writer's store waits (for at most ``OTHER_WRITER_WAIT_S``) for the
-other writer's write of a shared chunk to end, and reports WRITE_IN_PROGRESS (-12) for what is still
-unreadable then. Real backends and real bytes: a MemoryBackend in this process, and real Mooncake
-clients of a real master (those tests need a private network namespace).
+The choice for two writers of one prompt: the second writer's store waits (for at most
+``OTHER_WRITER_WAIT_S``) for the other writer's write of a shared chunk to end, and reports
+WRITE_IN_PROGRESS (-12) for what is still unreadable then. Real backends and real bytes: a MemoryBackend
+in this process, and real Mooncake clients of a real master (those tests need a private network
+namespace).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ CHUNK = 8
 NAMESPACE = "writers"
 SPEC = {"num_regions": 4, "num_blocks": 96, "block_size": 4, "block_lens": 32}
 
-# -- item 3: two writers of one prompt --------------------------------------------------------------------
+# -- two writers of one prompt ----------------------------------------------------------------------------
 
 WRITERS_CHUNKS = 6
 
@@ -280,7 +281,7 @@ async def test_a_second_mooncake_writer_counts_only_readable_chunks(
             assert loaded.loaded_tokens == WRITERS_CHUNKS * CHUNK and engines.loaded_own_bytes(1), loaded
 
 
-# -- item 4: a dead writer's keys ------------------------------------------------------------------------
+# -- a dead writer's keys --------------------------------------------------------------------------------
 
 
 class TwoPrompts(TwoEngines):

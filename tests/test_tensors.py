@@ -1,4 +1,4 @@
-"""KVLayout.from_tensors: every engine layout the issue lists, with NumPy arrays and torch tensors,
+"""KVLayout.from_tensors: every engine layout in CASES, with NumPy arrays and torch tensors,
 round-tripping real bytes through the worker; and the refusals, each naming the tensor."""
 
 from __future__ import annotations

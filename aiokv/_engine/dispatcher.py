@@ -129,7 +129,7 @@ async def _turns_until_callers_resubmit() -> None:
     two turns later (the future, the shield around it) and most submit their next request then.
     Draining after those turns takes those requests into this batch instead of leaving them to the
     next one: with many callers, batches stay large (per-batch work is most of a small request's
-    cost: 64 callers of small requests, 27 -> 55-64 requests a batch, 1.5x the requests per second)."""
+    cost, so fuller batches serve more requests per second)."""
     await asyncio.sleep(0)
     await asyncio.sleep(0)
 

@@ -26,7 +26,7 @@ ReadFromReplicas = Callable[[Sequence[str], Any, Any], Sequence[int]]
 def replica_reader(backend: object) -> ReadFromReplicas | None:
     """The backend's ``read_from_replicas`` when it has one, whatever its own ``replica_num``: how many
     replicas a key has is the stored object's (its writer's) setting, which the backend asks the master
-    for (issue 25 part 4)."""
+    for."""
     read = getattr(backend, "read_from_replicas", None)
     return read if callable(read) else None
 

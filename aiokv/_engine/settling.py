@@ -3,10 +3,10 @@
 A batch settles its requests in slices of the loop (:mod:`.slices`). The callers settled in one slice
 submit their next requests two turns later (the future, the shield around it) while later slices are
 still settling the rest, so a batch drained meanwhile takes only the first slices' callers; the two
-groups, each in its own batch slot, then stay apart round after round (64 callers resubmitting for 6
-rounds: 9-11 batches when a settle spans more than about three slices, as on a busy or cold machine,
-and 14-21 with a slice per request). How many slices a settle takes depends on the machine; whether
-it has ended does not. So the dispatcher starts its next batch once no batch is settling.
+groups, each in its own batch slot, then stay apart round after round: more, smaller batches, the more
+so the more slices a settle spans (a busy or cold machine, or a slice per request). How many slices a
+settle takes depends on the machine; whether it has ended does not. So the dispatcher starts its next
+batch once no batch is settling.
 
 A batch waiting for another batch's outcomes (a chunk it shares with that batch's writer, who may still
 wait on the store) is not settling meanwhile: no new batch waits on the store behind it.

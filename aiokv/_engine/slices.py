@@ -12,9 +12,9 @@ around it, its caller) and the GIL for its check on a thread, twice (to run the 
 its answer to the loop). A thread waiting for the GIL asks the holder to drop it only after 5 ms
 (CPython's switch interval) *with no release meanwhile*; a busy loop releases it at every turn (its
 selector), which wakes the thread, but comes back for it before the thread is scheduled: the thread
-waits again, indefinitely (a convoy). Lookups took 10-140 ms during a 10,000-request batch on an
-idle machine, even with the loop pausing 0.2 ms per slice. So while a lookup of the same loop is in
-flight (counted in :class:`LoopSlices`), slices shrink to :data:`URGENT_SLICE_S` and then *wait
+waits again, indefinitely (a convoy), and pausing the loop for a moment per slice does not break it:
+lookups behind a batch of thousands of requests still wait many slices. So while a lookup of the same
+loop is in flight (counted in :class:`LoopSlices`), slices shrink to :data:`URGENT_SLICE_S` and then *wait
 until no lookup is in flight* (at most :data:`URGENT_WAIT_S`, as a lookup may hang on the store):
 the loop sleeps in its selector, and the lookup's thread gets the GIL as soon as it is scheduled.
 Batches keep going meanwhile, at a fraction of their pace.

@@ -1,8 +1,8 @@
 """The transfer lane's threads: each takes its next call itself, admitting it under the tracker's lock.
 
 A call waited for a free thread on the loop, then the loop admitted it (``RequestTracker.begin_call``)
-and handed it to the thread: two wake-ups per call (thread -> loop, loop -> thread), 0.25-0.3 ms each
-time a thread moved from one call to the next, 8 ms of every 56-call batch of issue 27's seed scenario.
+and handed it to the thread: two wake-ups per call (thread -> loop, loop -> thread) each time a thread
+moved from one call to the next, a cost paid once per call that adds up over a batch of many calls.
 Here a free thread takes the next queued call and asks its ``fast`` admission on the thread, under the
 lock every loop-side change of a request's lifecycle takes (:attr:`RequestTracker.lock`): either every
 request of the call goes (TRANSFERRING from then on) or ``fast`` declines, and the thread asks the

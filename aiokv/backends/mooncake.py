@@ -102,8 +102,8 @@ class MooncakeBackend(MooncakeExtras, ClosingContext):
     # (docs/benchmarks.md): 8192 regions per call keep that near 1 ms, so the event loop never waits long.
     max_regions_per_call = 8192
     # Puts failing -800 (a replica placed on a dead client's segment) are tried again this many times:
-    # the master places about half of them there again (measured), so each retry halves what fails.
-    # 8 left ~1 key in 500 failed: a 30-key re-store after a node loss failed one in CI (~6% of runs).
+    # the master places about half of them there again, so each retry halves what fails: 16 leave a
+    # re-store after a node loss all but certain to succeed, where 8 still failed a key now and then.
     put_retries = 16
 
     def __init__(
