@@ -47,6 +47,16 @@ class ChunkOutcome(enum.StrEnum):
     LOAD_FAILED = "load_failed"
 
 
+class Phase(enum.StrEnum):
+    """Where a transfer's time goes inside the worker, in the order a batch runs."""
+
+    QUEUE = "queue"  # submitted until its batch begins (per request)
+    PREPARE = "prepare"  # keys, claims, the existence check and the plan
+    TRANSFER = "transfer"  # the backend calls moving the bytes (verification of values included)
+    CONFIRM = "confirm"  # puts read back before any result counts them (stores)
+    SETTLE = "settle"  # outcomes into results, futures settled
+
+
 class StatName(enum.StrEnum):
     """The keys of ``stats()``."""
 
@@ -61,6 +71,7 @@ class StatName(enum.StrEnum):
     PRESSURE_BACKOFFS = "pressure_backoffs"
     BATCHES = "batches"
     LATENCY = "latency"  # by Kind
+    PHASES = "phases"  # by Kind, then Phase: {"count": n, "seconds": total}
     LEASES = "leases"  # the lookups' lease ledger (added by KVWorker.stats(); None without one)
     BREAKER = "breaker"  # the circuit breaker's snapshot (added by KVWorker.stats(); None without one)
 
@@ -92,6 +103,24 @@ class WorkerStats:
     pressure_backoffs: int = 0
     batches: int = 0
     _latencies: dict[Kind, deque[float]] = field(default_factory=dict)
+    # Seconds and counts per (kind, phase), summed since start: a mean per phase over any interval is
+    # the difference of two snapshots (what Prometheus and the vLLM connector report).
+    phase_seconds: dict[tuple[Kind, Phase], float] = field(default_factory=dict)
+    phase_counts: Counter[tuple[Kind, Phase]] = field(default_factory=Counter)
+
+    def record_phase(self, kinds: frozenset[Kind], phase: Phase, seconds: float, count: int = 1) -> None:
+        for kind in kinds:
+            self.phase_seconds[kind, phase] = self.phase_seconds.get((kind, phase), 0.0) + seconds
+            self.phase_counts[kind, phase] += count
+
+    def phases(self) -> dict[str, dict[str, dict[str, float]]]:
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for (kind, phase), count in sorted(self.phase_counts.items()):
+            out.setdefault(kind.value, {})[phase.value] = {
+                "count": count,
+                "seconds": self.phase_seconds[kind, phase],
+            }
+        return out
 
     def record_latency(self, kind: Kind, seconds: float) -> None:
         window = self._latencies.get(kind)
@@ -127,4 +156,5 @@ class WorkerStats:
             StatName.LATENCY.value: {
                 kind.value: self.latency(kind) for kind in sorted(self._latencies, key=lambda k: k.value)
             },
+            StatName.PHASES.value: self.phases(),
         }

@@ -22,10 +22,18 @@ class StatsSource(Protocol):
     def stats_soon(self) -> concurrent.futures.Future[dict[str, Any]]: ...
 
 
-def connector_counters(stats: dict[str, Any]) -> dict[str, int]:
+def connector_counters(stats: dict[str, Any]) -> dict[str, float]:
     """The counters of one :meth:`KVWorker.stats` snapshot that the connector reports."""
     requests, chunks, moved = stats["requests"], stats["chunks"], stats["bytes"]
+    phases = {
+        f"{kind}_{phase}_{unit}": figures[unit]
+        for kind, by_phase in stats.get("phases", {}).items()
+        if kind in ("load", "store")
+        for phase, figures in by_phase.items()
+        for unit in ("seconds", "count")
+    }
     return {
+        **phases,
         "store_requests": requests.get("store", 0),
         "load_requests": requests.get("load", 0),
         "lookup_requests": requests.get("lookup", 0),
@@ -50,9 +58,9 @@ class CounterDeltas:
     """What ever-growing counters gained since the last call: vLLM's stats hook wants increments."""
 
     def __init__(self) -> None:
-        self._reported: dict[str, int] = {}
+        self._reported: dict[str, float] = {}
 
-    def since_last(self, current: Mapping[str, int]) -> dict[str, int] | None:
+    def since_last(self, current: Mapping[str, float]) -> dict[str, float] | None:
         """The counters that moved since the last call, or None if none did."""
         delta = {key: value - self._reported.get(key, 0) for key, value in current.items()}
         self._reported = dict(current)
@@ -75,7 +83,7 @@ class StatsReporter:
         self._pending: concurrent.futures.Future[dict[str, Any]] | None = None
         self._deltas = CounterDeltas()
 
-    def delta(self) -> dict[str, int] | None:
+    def delta(self) -> dict[str, float] | None:
         """The counters that changed since the last report (None if none did or no snapshot is in)."""
         report = None
         pending = self._pending

@@ -28,11 +28,13 @@ class AiokvConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class AiokvWorkerMetadata(KVConnectorWorkerMetadata):
-    """What the workers tell the scheduler-side connector each step: the host tier's writes, and the
-    load policy's measurements (:mod:`..scheduler_side.load_policy`)."""
+    """What the workers tell the scheduler-side connector each step: the host tier's writes, the
+    load policy's measurements (:mod:`..scheduler_side.load_policy`), and when loads were done
+    (``time.monotonic()``, per request; merged over ranks, the last rank's time)."""
 
     tier: TierReport | None = None
     measured: Measurements | None = None
+    loads_done: dict[str, float] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, AiokvWorkerMetadata):
@@ -43,4 +45,7 @@ class AiokvWorkerMetadata(KVConnectorWorkerMetadata):
             if self.measured and other.measured
             else (self.measured or other.measured)
         )
-        return AiokvWorkerMetadata(tier, measured)
+        loads_done = dict(self.loads_done)
+        for req_id, at in other.loads_done.items():
+            loads_done[req_id] = max(at, loads_done.get(req_id, at))
+        return AiokvWorkerMetadata(tier, measured, loads_done)

@@ -29,6 +29,7 @@ from ..common.stats_reporter import CounterDeltas
 from ..common.step_metadata import AiokvConnectorMetadata
 from ..common.wire import TransferSpec
 from .group_lookups import GroupLookup
+from .hit_phases import HitPhases
 from .load_policy import Decision, LoadPolicy
 from .prompt_tails import PromptTails
 from .state_groups import StateGroups
@@ -123,6 +124,7 @@ class SchedulerSide:
         self._stores = StepStores(config, self.block_size, self._tails, self._states)
         self.counters: Counter[str] = Counter()
         self._deltas = CounterDeltas()
+        self._phases = HitPhases()  # where each hit's time goes (vLLM's stats hook)
         if transfer.kv_load_failure_policy != "recompute":
             logger.warning(
                 "aiokv: kv_load_failure_policy is %r: a request whose KV fails to load errors out; "
@@ -141,11 +143,13 @@ class SchedulerSide:
             return 0, False
         hit = self._hits.get(req_id)
         if hit is None:
+            self._phases.asked(req_id, time.monotonic())
             answer = self._lookup_answer(request)
             if answer is None:
                 self.counters["lookups_deferred"] += 1
                 return None, False
             hit = self._hits[req_id] = answer
+            self._phases.answered(req_id, time.monotonic())
         if hit.tokens <= num_computed_tokens:
             return 0, False
         hit.local = num_computed_tokens
@@ -228,8 +232,10 @@ class SchedulerSide:
         if self._policy is not None and hit is not None and hit.decision is not None:
             self._policy.count(hit.decision, self.chunk_tokens, hit.tokens - hit.local)
         if num_external_tokens <= 0 or hit is None:
+            self._phases.allocated(req_id, time.monotonic(), 0)
             return
         spec = self._load_spec(req_id, hit, blocks.get_block_ids(), num_external_tokens)
+        self._phases.allocated(req_id, time.monotonic(), len(spec.prompt.hashes) * self._chunk_bytes)
         self._loads.append(spec)
         self._load_blocks[req_id] = {b for ids in (*spec.block_ids, *spec.unloaded_block_ids) for b in ids}
         if self._tier is not None:
@@ -296,8 +302,11 @@ class SchedulerSide:
             scheduled_tokens=scheduler_output.total_num_scheduled_tokens,
         )
         self._loads = []
+        scheduled = set(scheduler_output.num_scheduled_tokens or ())
+        self._phases.step([spec.req_id for spec in meta.loads], scheduled, time.monotonic())
         meta.preempted = set(scheduler_output.preempted_req_ids or ())
         for req_id in meta.preempted:
+            self._phases.forget(req_id)
             # Asked again from scratch when it is scheduled again.
             self._hits.pop(req_id, None)
             self._lookups.pop(req_id, None)
@@ -325,6 +334,9 @@ class SchedulerSide:
             self._loading.discard(req_id)
             self._load_blocks.pop(req_id, None)
         worker_meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if loads_done := getattr(worker_meta, "loads_done", None):
+            self._phases.loads_done(loads_done)
+        self._phases.noticed(list(connector_output.finished_recving or ()), time.monotonic())
         if self._policy is not None:
             for req_id in (*(connector_output.finished_recving or ()), *failed):
                 self._policy.load_ended(req_id)
@@ -343,6 +355,7 @@ class SchedulerSide:
         for table in (self._requests, self._hits, self._lookups, self._load_blocks):
             table.pop(req_id, None)  # type: ignore[attr-defined]
         self._load_failed.discard(req_id)
+        self._phases.forget(req_id)
         if self._policy is not None:
             self._policy.load_ended(req_id)
         loading = req_id in self._loading
@@ -357,10 +370,13 @@ class SchedulerSide:
         policy = self._policy.report(time.monotonic()) if self._policy is not None else None
         return {"counters": dict(self.counters), "load_policy": policy}
 
-    def stats_delta(self) -> dict[str, int] | None:
-        """The scheduler's and the load policy's counters since the last report (vLLM's stats hook)."""
+    def stats_delta(self) -> dict[str, Any] | None:
+        """The scheduler's and the load policy's counters since the last report, and the hits' phases
+        observed since then (lists of observations), for vLLM's stats hook."""
         policy = self._policy.counters if self._policy is not None else {}
-        return self._deltas.since_last({**self.counters, **policy})
+        delta: dict[str, Any] = self._deltas.since_last({**self.counters, **policy}) or {}
+        delta.update({f"hit_{name}": values for name, values in self._phases.take().items()})
+        return delta or None
 
     def shutdown(self) -> None:
         for lookup in self._lookups.values():

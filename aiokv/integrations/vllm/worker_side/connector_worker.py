@@ -16,9 +16,10 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ....backends.verified import VerifiedBackend
@@ -29,7 +30,7 @@ from ..common.connector_config import ConnectorConfig
 from ..common.from_vllm import engine_layout
 from ..common.geometry import EngineGeometry
 from ..common.group_workers import GroupWorkers
-from ..common.stats_reporter import StatsReporter
+from ..common.stats_reporter import CounterDeltas, StatsReporter
 from ..common.step_metadata import AiokvConnectorMetadata, AiokvWorkerMetadata
 from ..common.wire import TransferSpec
 from .chunk_movers import ChunkMover
@@ -64,6 +65,22 @@ def _wait_all(futures: list[concurrent.futures.Future[Any]], what: str) -> None:
                 len(pending),
                 time.monotonic() - started,
             )
+
+
+def _when_done(futures: list[concurrent.futures.Future[Any]], then: Callable[[], None]) -> None:
+    """Call ``then()`` once every future in ``futures`` is done (on the thread finishing the last)."""
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: concurrent.futures.Future[Any]) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            then()
+
+    for future in futures:
+        future.add_done_callback(one_done)
 
 
 def _add_counters(total: dict[str, Any], counters: Mapping[str, Any]) -> None:
@@ -111,6 +128,10 @@ class WorkerSide:
         # This rank's host tier (single-group engines: the connector refuses it on hybrid ones); it
         # then moves the group's chunks, in front of the store's worker if any.
         self.tier: TierWorker | None = None
+        # When each load was done (time.monotonic()), reported to the scheduler (a hit's phases).
+        self._loads_done: dict[str, float] = {}
+        self._loads_done_lock = threading.Lock()  # written on aiokv's loop thread, taken on the engine's
+        self._verify_deltas = CounterDeltas()
         # The load policy's measurements (scheduler_side.load_policy), reported to the scheduler each step.
         self.meter: LoadMeter | None = None
 
@@ -197,7 +218,11 @@ class WorkerSide:
         report, for the tier's index, and the load policy's measurements; None if nothing."""
         report = self.tier.report() if self.tier is not None else None
         measured = self.meter.take() if self.meter is not None else None
-        return AiokvWorkerMetadata(report, measured) if report is not None or measured else None
+        with self._loads_done_lock:
+            done, self._loads_done = self._loads_done, {}
+        if report is None and not measured and not done:
+            return None
+        return AiokvWorkerMetadata(report, measured, done)
 
     def handle_preemptions(self, meta: AiokvConnectorMetadata) -> None:
         """Before each step's forward: wait for the stores whose blocks this forward may rewrite."""
@@ -223,6 +248,8 @@ class WorkerSide:
         for spec in meta.loads:
             self._loads[spec.req_id] = (futures.get(spec.req_id), spec)
             self.events["loads_submitted"] += 1
+            if submitted_futures := futures.get(spec.req_id):
+                _when_done(submitted_futures, functools.partial(self._load_done, spec.req_id))
             if self.meter is not None and (submitted := futures.get(spec.req_id)):
                 groups = [group for group, ids in enumerate(spec.block_ids) if ids]
                 requested = sum(len(spec.block_ids[g]) * self.geometry.groups[g].block_bytes for g in groups)
@@ -233,6 +260,11 @@ class WorkerSide:
                 self._finish_load(spec.req_id, wait=True)
             if self.meter is not None:
                 self.meter.sync_loads_done()  # the forward starts after them
+
+    def _load_done(self, req_id: str) -> None:
+        """Every group's load of ``req_id`` is done (on aiokv's loop thread)."""
+        with self._loads_done_lock:
+            self._loads_done[req_id] = time.monotonic()
 
     def wait_for_save(self, meta: AiokvConnectorMetadata) -> None:
         if self.meter is not None:
@@ -374,6 +406,9 @@ class WorkerSide:
         total: dict[str, Any] = {}
         for delta in (reporter.delta() for reporter in self._stats):
             _add_counters(total, delta or {})
+        if self._verified:
+            read_ns = sum(v.verification_stats()["checksum_read_cpu_ns"] for v in self._verified)
+            _add_counters(total, self._verify_deltas.since_last({"verify_read_seconds": read_ns / 1e9}) or {})
         return total or None
 
     def stats(self) -> dict[str, Any]:
