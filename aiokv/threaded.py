@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
+from ._thread_names import name_this_thread
 from ._validate import BlockIds
 from .backends.base import Backend
 from .errors import WorkerClosedError
@@ -102,7 +104,7 @@ class ThreadedKVWorker:
         **options: Any,
     ) -> None:
         self._loop = (loop_factory or new_event_loop)()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="aiokv-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run_loop, name="aiokv-loop", daemon=True)
         self._thread.start()
         self._lock = threading.Lock()  # orders scheduling onto the loop against stopping it
         self._stopping = False  # set (under the lock) before the loop is told to stop
@@ -181,6 +183,15 @@ class ThreadedKVWorker:
 
         self._post(start_all, futures)  # in the waiting set until settled: a stopping loop fails them
         return futures
+
+    def lookup_loaded(self, tokens: TokenIds | HashedPrompt) -> None:
+        """:meth:`KVWorker.lookup_loaded` without waiting for the loop to take it (token ids are
+        hashed here, on the calling thread). A worker closing or closed raises ``WorkerClosedError``."""
+        chunk_tokens = self._worker.chunk_tokens
+        prompt = (
+            tokens if isinstance(tokens, HashedPrompt) else HashedPrompt.from_tokens(tokens, chunk_tokens)
+        )
+        self._post(functools.partial(self._worker.lookup_loaded, prompt), [])
 
     def _answer(self, future: concurrent.futures.Future[int], task: asyncio.Task[int]) -> None:
         """Settle ``future`` from ``task`` (on the loop thread); cancelling the future cancels the task."""
@@ -285,6 +296,10 @@ class ThreadedKVWorker:
 
         self._post(submit_all, futures)
         return futures
+
+    def _run_loop(self) -> None:
+        name_this_thread("aiokv-loop")
+        self._loop.run_forever()
 
     def _post(self, fn: Callable[[], None], futures: Sequence[concurrent.futures.Future[Any]]) -> None:
         """Schedule ``fn`` on the loop thread without waiting for it; ``futures`` are failed by

@@ -43,6 +43,15 @@ from typing import Any
 
 from aiokv.testing.vllm_server import DEFAULT_ARGS, Completion, VllmServer, running_server
 
+from .vllm_phases import (
+    EVENTS_ENV,
+    format_phase_table,
+    inside_view,
+    phases_by_request,
+    read_events,
+    timed,
+)
+from .vllm_phases import summary as summary_of_phases
 from .vllm_setup import kv_transfer_config, mooncake_config, mooncake_store, rerun_in_namespace
 from .vllm_workload import BLOCK_SIZE, MODEL_SHAPE
 
@@ -60,6 +69,8 @@ class Config:
 
     transfer: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | None]
     fresh_loader: bool = True
+    needs_store: bool = True  # a Mooncake store (a master and a holder) for its connector
+    prefix_caching: bool = False  # vLLM's own prefix cache on (every other configuration runs it off)
 
 
 def _aiokv_tier(backend: str) -> Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | None]:
@@ -77,7 +88,12 @@ def _aiokv_tier(backend: str) -> Callable[[dict[str, Any], dict[str, Any]], dict
 
 
 CONFIGS: dict[str, Config] = {
-    "recompute": Config(lambda store, extra: None),
+    "recompute": Config(lambda store, extra: None, needs_store=False),
+    # The floor: the prefixes computed once by the same server, then served from vLLM's prefix cache
+    # (no KV moves at all; only each request's own tokens are computed).
+    "prefix-cache": Config(
+        lambda store, extra: None, fresh_loader=False, needs_store=False, prefix_caching=True
+    ),
     "vllm": Config(lambda store, extra: kv_transfer_config("vllm", store)),
     "aiokv": Config(lambda store, extra: kv_transfer_config("aiokv", store, extra)),
     # Values not checksummed (what checksums cost: aiokv against this, same run).
@@ -110,6 +126,11 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         help="run the connector configurations this many times, in alternating order (recompute once): "
         "figures are medians over rounds, ratios medians of the per-round ratios with their range",
+    )
+    parser.add_argument(
+        "--no-phases",
+        action="store_true",
+        help="load the connectors as they are, not the subclasses stamping each call (vllm_phases.py)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write every figure and request here")
@@ -158,6 +179,36 @@ def _process_tree_cpu_seconds(root: int) -> float:
     return total
 
 
+def _thread_cpu_seconds(root: int) -> dict[str, float]:
+    """CPU seconds so far of every thread under ``root``, summed by process and thread name
+    (``/proc/PID/task/TID``: ``"VLLM::EngineCor/aiokv-transfer"``...)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                parents[int(entry)] = int(
+                    Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]
+                )
+    tree, pending = [], [root]
+    while pending:
+        pid = pending.pop()
+        tree.append(pid)
+        pending += [child for child, parent in parents.items() if parent == pid]
+    out: dict[str, float] = {}
+    for pid in tree:
+        with contextlib.suppress(OSError):
+            process = Path(f"/proc/{pid}/comm").read_text().strip()
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
+                    name = stat[stat.index("(") + 1 : stat.rindex(")")]
+                    fields = stat.rsplit(")", 1)[1].split()
+                    key = f"{process}/{name.rstrip('0123456789_-')}"
+                    out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+    return out
+
+
 def drive(server: VllmServer, clients: list[list[list[int]]], output_tokens: int) -> dict[str, Any]:
     """Every client sends its prompts one after the other, all clients at once, streaming."""
 
@@ -165,12 +216,19 @@ def drive(server: VllmServer, clients: list[list[list[int]]], output_tokens: int
         return [server.complete(p, max_tokens=output_tokens, logprobs=None, stream=True) for p in prompts]
 
     cpu_before = _process_tree_cpu_seconds(server.process.pid)
+    threads_before = _thread_cpu_seconds(server.process.pid)
     began = time.monotonic()
     with ThreadPoolExecutor(max_workers=len(clients)) as pool:
         done = list(pool.map(client, clients))
     wall = time.monotonic() - began
     cpu = _process_tree_cpu_seconds(server.process.pid) - cpu_before
-    return {"wall_s": wall, "server_cpu_s": cpu, "completions": done}
+    threads = {
+        name: seconds - threads_before.get(name, 0.0)
+        for name, seconds in _thread_cpu_seconds(server.process.pid).items()
+        if seconds - threads_before.get(name, 0.0) > 0
+    }
+    by_thread = dict(sorted(threads.items(), key=lambda item: -item[1]))
+    return {"wall_s": wall, "server_cpu_s": cpu, "server_cpu_s_by_thread": by_thread, "completions": done}
 
 
 def _percentile(values: list[float], fraction: float) -> float:
@@ -207,7 +265,7 @@ def run_config(
         env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "VLLM_HOST_IP": "127.0.0.1"}
         env["MOONCAKE_REQUESTER_LOCAL_HOSTNAME"] = "127.0.0.1"
         transfer = None
-        if name != "recompute":
+        if config.needs_store:
             # Room for every prompt's KV twice over (the loading server stores the suffixes' blocks).
             kv_per_token = 2 * MODEL_SHAPE["num_kv_heads"] * MODEL_SHAPE["head_dim"] * 2 * args.layers
             tokens = sum(map(len, prefixes.values())) + sum(len(p) for client in clients for p in client)
@@ -218,22 +276,39 @@ def run_config(
             config_path.write_text(json.dumps(store))
             env["MOONCAKE_CONFIG_PATH"] = str(config_path)
             transfer = config.transfer(store, args.aiokv_extra)
+            if not args.no_phases:
+                transfer = timed(transfer)
+        events = {
+            role: Path(tempfile.mkdtemp(prefix=f"{name}.{role}.", dir=workdir)) for role in ("store", "load")
+        }
+        server_args = SERVER_ARGS
+        if config.prefix_caching:
+            server_args = (
+                *(a for a in SERVER_ARGS if a != "--no-enable-prefix-caching"),
+                "--enable-prefix-caching",
+            )
 
         def serve(role: str) -> contextlib.AbstractContextManager[VllmServer]:
             logger.info("%s: %s server starting", name, role)
             extra = ["--max-model-len", str(max(map(len, prefixes.values())) + args.suffix_tokens + 64)]
+            # The stamps of the timed connectors (benchmarks.vllm_phases), importable from the checkout.
+            stamps = {
+                EVENTS_ENV: str(events[role]),
+                "PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+            }
             return running_server(
                 model,
                 workdir / f"{name}.{role}.log",
                 kv_transfer_config=transfer,
-                env=env,
-                args=SERVER_ARGS,
+                env={**env, **stamps},
+                args=server_args,
                 extra_args=extra,
             )
 
         result: dict[str, Any] = {"connector": transfer}
         loader = None
-        if transfer is not None:
+        loader_role = "load"
+        if transfer is not None or config.prefix_caching:
             storer = stack.enter_context(serve("store")) if config.fresh_loader else None
             server = storer or stack.enter_context(serve("load"))
             for prefix in prefixes.values():
@@ -243,16 +318,22 @@ def run_config(
             if storer is not None:
                 storer.stop()  # SIGINT now; the stack's own stop later finds it gone
             else:
-                loader = server
+                loader, loader_role = server, "store"
         if loader is None:
             loader = stack.enter_context(serve("load"))
         # One warm-up request (not a shared prefix): the first request of a server pays one-off costs.
         loader.complete(list(range(3, 3 + 4 * BLOCK_SIZE)), max_tokens=2, logprobs=None)
         logger.info("%s: %d clients x %d requests", name, len(clients), len(clients[0]))
+        aiokv = transfer is not None and "Aiokv" in transfer["kv_connector"]
+        before = loader.metrics() if aiokv else {}
+        began = time.monotonic()
         result["run"] = drive(loader, clients, args.output_tokens)
         # AiokvConnector's counters over the loading server's life (warm-up included): lookups
-        # answered "ask again", chunks loaded, ...
-        result["aiokv_counters"] = loader.metrics() if name not in ("recompute", "vllm") else {}
+        # answered "ask again", chunks loaded, ...; its own phase figures over the driven requests.
+        result["aiokv_counters"] = loader.metrics() if aiokv else {}
+        result["aiokv_inside"] = inside_view(before, result["aiokv_counters"]) if aiokv else {}
+        stamps = [event for event in read_events(events[loader_role]) if event[0] >= began]
+        result["hit_phases"] = phases_by_request(stamps)
         return result
 
 
@@ -338,20 +419,32 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 def ratios(figures_by_name: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Each configuration against recompute, aiokv against vLLM's connector, and the host tiers against
-    aiokv on Mooncake (lower TTFT and CPU, higher requests/s are better)."""
+    """Each configuration against recompute and against the floor (vLLM's prefix cache), aiokv against
+    vLLM's connector, the host tiers against aiokv on Mooncake (lower TTFT and CPU, higher requests/s
+    are better), and what aiokv adds to the floor's TTFT against what vLLM's connector adds."""
     keys = ("ttft_p50_s", "ttft_p99_s", "requests_per_s", "server_cpu_s_per_request")
     pairs = [(name, "recompute") for name in figures_by_name if name != "recompute"]
+    floor = "prefix-cache"
+    pairs += [(name, floor) for name in figures_by_name if name not in ("recompute", floor)]
     # A host tier's hit against the same hit from Mooncake (a host tier is there to answer faster).
     pairs += [
         (a, b)
         for a, b in (("aiokv", "vllm"), ("aiokv", "unverified"), ("tiered", "aiokv"), ("embedded", "aiokv"))
     ]
-    return {
+    out = {
         f"{a} / {b}": {k: figures_by_name[a][k] / figures_by_name[b][k] for k in keys}
         for a, b in pairs
         if a in figures_by_name and b in figures_by_name
     }
+    if floor in figures_by_name and "vllm" in figures_by_name:
+        for name in ("aiokv", "unverified", "tiered", "embedded"):
+            if name in figures_by_name:
+                out[f"{name} / vllm, TTFT above the floor"] = {
+                    key: (figures_by_name[name][key] - figures_by_name[floor][key])
+                    / max(1e-9, figures_by_name["vllm"][key] - figures_by_name[floor][key])
+                    for key in ("ttft_p50_s", "ttft_p99_s")
+                }
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -389,6 +482,23 @@ def main(argv: list[str] | None = None) -> int:
         "setup": {"model": shape, "args": vars(args) | {"json": None, "keep": None}},
     }
     summary["ratios"], summary["ratio_ranges"] = median_ratios(per_round)
+    summary["hit_phases"] = {
+        name: summary_of_phases(
+            {f"{n}:{req}": p for n, res in enumerate(rounds) for req, p in res[name]["hit_phases"].items()}
+        )
+        for name in configs
+        if any(name in res and res[name]["hit_phases"] for res in rounds)
+    }
+    summary["aiokv_inside"] = {
+        name: {
+            key: statistics.median(
+                r[name]["aiokv_inside"][key] for r in rounds if key in r[name].get("aiokv_inside", {})
+            )
+            for key in next(r[name]["aiokv_inside"] for r in rounds if name in r)
+        }
+        for name in configs
+        if any(r.get(name, {}).get("aiokv_inside") for r in rounds)
+    }
     if args.json is not None:
         raw = [
             {
@@ -406,6 +516,11 @@ def main(argv: list[str] | None = None) -> int:
         summary["per_round"] = per_round
         args.json.write_text(json.dumps({**summary, "raw": raw}, indent=1, default=str))
     sys.stdout.write(format_table(summary))
+    sys.stdout.write(format_phase_table(summary["hit_phases"]))
+    for name, inside in summary["aiokv_inside"].items():
+        sys.stdout.write(
+            f"{name}, inside aiokv: " + ", ".join(f"{k} {v:.1f}" for k, v in inside.items()) + "\n"
+        )
     return 0
 
 

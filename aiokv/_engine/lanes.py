@@ -35,6 +35,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from .._thread_names import name_this_thread
 from ..errors import WorkerClosedError
 from .slices import PIECE_KEYS, LoopSlice, pieces
 from .transfer_threads import TransferItem, TransferThreads
@@ -327,7 +328,7 @@ class DaemonThread:
         self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self._pending = 0  # submitted and not yet done
         self._lock = threading.Lock()  # _pending changes on the loop and on the thread
-        self._thread = threading.Thread(target=_serve, args=(self._queue,), name=name, daemon=True)
+        self._thread = threading.Thread(target=_serve, args=(self._queue, name), name=name, daemon=True)
         self._thread.start()
         # An executor dropped without shutdown (its loop died) still lets its thread end.
         weakref.finalize(self, self._queue.put, None)
@@ -355,7 +356,8 @@ class DaemonThread:
             self._thread.join()
 
 
-def _serve(work: queue.SimpleQueue[_Work | None]) -> None:
+def _serve(work: queue.SimpleQueue[_Work | None], name: str) -> None:
+    name_this_thread(name)
     while (item := work.get()) is not None:
         future, fn = item
         del item

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .._thread_names import name_this_thread
 from ..errors import WorkerClosedError
 
 # What an admission hands back when the call may start: the call, and what to run on the loop once the
@@ -56,7 +57,7 @@ class _Shared:
 class TransferThreads:
     """``count`` threads serving one queue of :class:`TransferItem` (started on first use)."""
 
-    def __init__(self, count: int, lock: threading.RLock, name_prefix: str = "aiokv") -> None:
+    def __init__(self, count: int, lock: threading.RLock, name_prefix: str = "aiokv-transfer") -> None:
         self._count = count
         self._name_prefix = name_prefix
         self._shared = _Shared(queue.SimpleQueue(), lock)
@@ -67,9 +68,8 @@ class TransferThreads:
     def submit(self, item: TransferItem) -> None:
         if not self._threads:
             for index in range(self._count):
-                thread = threading.Thread(
-                    target=_serve, args=(self._shared,), name=f"{self._name_prefix}_{index}"
-                )
+                name = f"{self._name_prefix}_{index}"
+                thread = threading.Thread(target=_serve, args=(self._shared, name), name=name)
                 thread.start()
                 self._threads.append(thread)
         self._shared.queue.put(item)
@@ -102,7 +102,8 @@ def _stop(work: queue.SimpleQueue[TransferItem | None], threads: list[threading.
         work.put(None)
 
 
-def _serve(shared: _Shared) -> None:
+def _serve(shared: _Shared, name: str) -> None:
+    name_this_thread(name)
     while (item := shared.queue.get()) is not None:
         if item.outcome.done():  # its awaiter was cancelled while it waited: nothing was admitted
             continue
