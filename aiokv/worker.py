@@ -80,7 +80,9 @@ class KVWorker:
     instead of waiting; a probe resumes the worker once the store answers (docs/reliability.md).
 
     ``lease_budget``: with a backend whose lookups lease what they find (``read_lease_s`` > 0: Mooncake),
-    the most they hold at once (:class:`~aiokv.leases.LeaseBudget`; default: the worker's cache size).
+    the most they hold at once (:class:`~aiokv.leases.LeaseBudget`; default: the worker's cache size):
+    chunks loaded since (:meth:`lookup_loaded`) stop counting, and puts answered "no space" cut it
+    until puts find room again.
     """
 
     def __init__(
@@ -212,7 +214,7 @@ class KVWorker:
             lanes.shutdown_now()
             self._move(WorkerState.CLOSED)
             raise
-        pipeline = BatchPipeline(self._config, self._tracker, lanes, self._stats)
+        pipeline = BatchPipeline(self._config, self._tracker, lanes, self._stats, self._leases)
         self._dispatcher = Dispatcher(pipeline, self._max_batches)
         self._dispatcher.start()
         if guard is not None:
@@ -334,6 +336,21 @@ class KVWorker:
         if leases is None or claim is None or not claim.granted:
             return await request.future
         return await leases.held_until(request, claim, self._config.chunk_tokens)
+
+    def lookup_loaded(self, tokens: TokenIds | HashedPrompt) -> None:
+        """Tell the lease budget that another worker loads the chunks of ``tokens`` this worker's
+        lookups found (this worker's own loads tell it themselves): a load leases what it reads, so
+        they stop counting against ``lease_budget`` (see :mod:`aiokv.leases`). Token ids are hashed
+        here, on the loop: pass a :class:`~aiokv.keys.HashedPrompt` for a long prompt."""
+        leases = self._leases
+        if leases is None or self._state is not WorkerState.RUNNING:
+            return
+        self._calling_loop()
+        chunk_tokens = self._config.chunk_tokens
+        hashes, token_ids, _ = check_tokens(tokens, chunk_tokens)
+        if hashes is None and token_ids is not None:
+            hashes = HashedPrompt.from_tokens(token_ids, chunk_tokens).hashes
+        leases.loaded(hashes or ())
 
     async def _hash_lookup(self, request: Request) -> None:
         """A lookup's digests before the lease ledger counts it, hashed in slices as a batch would

@@ -1,9 +1,11 @@
 """The lease budget (aiokv/leases.py): the ledger's arithmetic on a clock of the test's own (distinct
-chunks: a chunk looked up again holds one lease), and workers over a real Mooncake store (loopback
-master): lookups stop asking about new chunks once the budget is spent and ask again as their leases
-run out; a chunk looked up twice holds one lease in the store as in the ledger; under memory pressure,
-duplicate lookups keep answering whole and many lookups never starve eviction. Across nodes in a real
-cluster: tests/cluster/test_leases.py."""
+chunks: a chunk looked up again holds one lease; a loaded chunk stops counting; "no space" cuts the
+limit and puts taken whole give it back), and workers over a real Mooncake store (loopback master):
+lookups stop asking about new chunks once the budget is spent and ask again as their leases run out; a
+chunk looked up twice holds one lease in the store as in the ledger; under memory pressure, duplicate
+lookups keep answering whole and many lookups never starve eviction; a stream of distinct prompts each
+half the cache keeps every hit as each is loaded; a put answered "no space" cuts the budget and puts
+taken whole give it back. Across nodes in a real cluster: tests/cluster/test_leases.py."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiokv import Code, KVLayout, KVWorker, LeaseBudget, MemoryBackend
+from aiokv import Code, HashedPrompt, KVLayout, KVWorker, LeaseBudget, MemoryBackend, ThreadedKVWorker
 from aiokv.backends.base import check_backend
 from aiokv.backends.mooncake_master import MooncakeMaster
 from aiokv.leases import LeaseLedger
@@ -103,6 +105,84 @@ def test_a_failed_lookup_counts_all_it_asked_about_and_a_lookup_by_count_is_coun
     assert ledger.held() == 2 + 3
     clock.now += 2.0
     assert ledger.held() == 0
+
+
+def test_a_stream_of_distinct_prompts_half_the_budget_each_keeps_every_hit_as_each_is_loaded() -> None:
+    clock = Clock()
+    ledger = LeaseLedger(8, lease_s=10.0, clock=clock)
+    # Twelve distinct prompts of half the budget, four a second: six budgets' worth within one lease.
+    for n in range(12):
+        found = digests(f"p{n}-", 4)
+        claim = ledger.reserve(4, found)
+        assert claim.granted == 4, f"prompt {n} was trimmed to {claim.granted} chunks"
+        ledger.settle(claim, found)
+        ledger.loaded(found)  # the engine loads the hit: its load leases the chunks itself
+        clock.now += 0.25
+    assert (ledger.held(), ledger.leased(), ledger.loaded_chunks) == (0, 48, 48)
+    # A loaded chunk found again (a prompt sharing it) is held for the new lookup until its own load.
+    again = digests("p0-", 4)
+    claim = ledger.reserve(4, again)
+    assert claim.granted == 4 and claim.reserved == tuple(again)
+    ledger.settle(claim, again)
+    assert ledger.held() == 4 and ledger.renewed_chunks == 4
+    ledger.loaded(again)
+    # Hits never loaded (requests waiting, or aborted) count for their lease: the budget bounds them.
+    waiting = [digests(f"w{n}-", 4) for n in range(3)]
+    claims = [ledger.reserve(4, found) for found in waiting]
+    assert [claim.granted for claim in claims] == [4, 4, 0]
+    for claim, found in zip(claims, waiting, strict=True):
+        ledger.settle(claim, found[: claim.granted])
+    assert ledger.held() == 8 and ledger.snapshot()["trimmed_lookups"] == 1
+    clock.now += 10.0
+    assert ledger.held() == ledger.leased() == 0
+
+
+def test_no_space_answers_cut_the_limit_and_puts_taken_whole_give_it_back() -> None:
+    clock = Clock()
+    ledger = LeaseLedger(16, lease_s=2.0, clock=clock)
+    loaded, waiting = digests("a", 8), digests("b", 4)
+    for found in (loaded, waiting):
+        ledger.settle(ledger.reserve(len(found), found), found)
+    ledger.loaded(loaded)
+    assert ledger.held() == 4 and ledger.leased() == 12
+    ledger.store_took()  # puts taken while nothing is cut change nothing
+    assert ledger.limit == 16
+
+    # "No space": the limit halves once per burst, and loaded chunks count again (loads lease too).
+    ledger.store_full()
+    ledger.store_full()
+    assert (ledger.limit, ledger.limit_cuts, ledger.held()) == (8, 1, 12)
+    # Past the cut limit nothing is granted, not even a renewal: the excess runs out within a lease.
+    assert ledger.reserve(4, waiting).granted == 0
+    assert ledger.reserve(1, digests("c", 1)).granted == 0
+    clock.now += 0.5  # a quarter lease: the next answer cuts again, never below a sixteenth
+    for _ in range(4):
+        ledger.store_full()
+        clock.now += 0.5
+    assert (ledger.limit, ledger.limit_cuts) == (1, 4)
+    assert ledger.held() == 0  # every lease found at 100.0 ran out at 102.0
+    fresh = digests("c", 4)
+    claim = ledger.reserve(4, fresh)
+    assert claim.granted == 1
+    ledger.settle(claim, fresh[:1])
+
+    # Each put call the store takes whole gives a sixteenth back, up to the budget.
+    limits = []
+    for _ in range(16):
+        ledger.store_took()
+        limits.append(ledger.limit)
+    assert limits == [*range(2, 17), 16]
+    assert ledger.reserve(4, fresh).granted == 4
+
+    # Without any put, a lease with no "no space" answer gives the whole budget back.
+    clock.now += 0.5
+    ledger.store_full()
+    assert ledger.limit == 8
+    clock.now += 1.5
+    assert ledger.snapshot()["limit_chunks"] == 8
+    clock.now += 0.5
+    snapshot = ledger.snapshot()
+    assert (snapshot["limit_chunks"], snapshot["max_chunks"], snapshot["limit_cuts"]) == (16, 16, 5)
 
 
 def test_the_budget_bounds_bytes_and_chunks_and_refuses_nonsense() -> None:
@@ -368,4 +448,123 @@ async def test_a_chunk_looked_up_twice_holds_one_lease_in_the_store_and_the_ledg
         await asyncio.sleep(lease_s * 0.7)  # past the second lookup's lease: both let go
         assert worker.stats()["leases"]["held_chunks"] == 0
         assert backend.batch_remove(keys, force=False) == [0] * chunks
+    del cache
+
+
+# -- the budget follows loads and the store's room (real Mooncake store) ------------------------------
+
+LONG_LEASE_MS = 60_000  # longer than any of these tests: every lease they grant lasts to their end
+
+
+@pytest.mark.mooncake
+@pytest.mark.asyncio
+async def test_a_stream_of_distinct_prompts_each_half_the_cache_keeps_every_hit_while_the_store_has_room(
+    mooncake_master_factory: Callable[..., MooncakeMaster], mooncake_backend_factory: Callable[..., Any]
+) -> None:
+    master = mooncake_master_factory(extra_args=(f"--default_kv_lease_ttl={LONG_LEASE_MS}",))
+    backend = mooncake_backend_factory(master.address, default_kv_lease_ttl=LONG_LEASE_MS)
+    (cache, layout), (other_cache, other_layout) = cache_and_layout(64), cache_and_layout(64)
+    tag = f"stream-{time.monotonic_ns()}"
+    half = 32  # chunks: half the reader's 64-block cache, its default budget
+    stream = tuple(range(100, 108))  # four budgets' worth of distinct prompts, all within one lease
+    async with (
+        KVWorker(layout, backend, namespace=tag, chunk_tokens=CHUNK_TOKENS) as reader,
+        KVWorker(other_layout, backend, namespace=tag, chunk_tokens=CHUNK_TOKENS, lease_budget=None) as other,
+    ):
+        for seed in stream:
+            stored = await other.store(prompt(seed, half), [np.arange(half)])
+            assert stored.stored == half and stored.failed == 0, stored
+        for n, seed in enumerate(stream):
+            tokens = prompt(seed, half)
+            assert await reader.lookup(tokens) == half * CHUNK_TOKENS, f"prompt {n} lost its hit"
+            if n % 2 == 0:  # the reader loads the hit itself: its load says so to its ledger
+                loaded = await reader.load(tokens, [np.arange(half)])
+            else:  # another worker loads it (the engine's workers, apart from its scheduler's lookups)
+                loaded = await other.load(tokens, [np.arange(half, 2 * half)])
+                reader.lookup_loaded(HashedPrompt.from_tokens(tokens, CHUNK_TOKENS))
+            assert loaded.loaded_chunks == half, loaded
+        leases = reader.stats()["leases"]
+        assert leases["max_chunks"] == 64 and leases["trimmed_lookups"] == 0, leases
+        assert leases["leased_chunks"] == len(stream) * half and leases["held_chunks"] == 0, leases
+        assert leases["loaded_chunks"] == len(stream) * half and leases["limit_cuts"] == 0, leases
+        # Hits never loaded (requests waiting, or aborted) still count for their lease: two fill the
+        # budget, the third is answered without asking the store.
+        answers = [await reader.lookup(prompt(seed, half)) // CHUNK_TOKENS for seed in stream[:3]]
+        assert answers == [half, half, 0]
+        assert reader.stats()["leases"]["held_chunks"] == 2 * half
+    del cache, other_cache
+
+
+@pytest.mark.mooncake
+@pytest.mark.asyncio
+async def test_puts_answered_no_space_cut_the_budget_and_puts_taken_whole_give_it_back(
+    mooncake_master_factory: Callable[..., MooncakeMaster], mooncake_backend_factory: Callable[..., Any]
+) -> None:
+    # The store fills up with keys it cannot evict (every stored key is leased by the store's own check
+    # that it reads back): the next put answers "no space", deterministically.
+    master = mooncake_master_factory(extra_args=(f"--default_kv_lease_ttl={LONG_LEASE_MS}",))
+    backend = mooncake_backend_factory(
+        master.address, global_segment_size=16 << 20, default_kv_lease_ttl=LONG_LEASE_MS
+    )
+    cache, layout = paged_cache(16)
+    tag = f"room-{time.monotonic_ns()}"
+    chunks = 16  # 2 MiB a prompt: about 8 fill the 16 MiB segment (Mooncake's least)
+    async with KVWorker(
+        layout,
+        backend,
+        namespace=tag,
+        chunk_tokens=CHUNK_TOKENS,
+        pressure_backoff_s=0.0,  # every store makes its put call: each one is a signal
+        lease_budget=LeaseBudget(max_bytes=64 * 2 * PAGE),  # 64 chunks: half the store
+    ) as worker:
+        whole: list[int] = []
+        for seed in range(200, 216):
+            stored = await worker.store(prompt(seed, chunks), [np.arange(chunks)])
+            if stored.failed:
+                assert stored.errors.get(int(Code.NO_SPACE)), stored
+                break
+            whole.append(seed)
+        else:
+            pytest.fail("32 MiB of prompts fit the 16 MiB segment: the store never answered no space")
+        assert len(whole) >= 3, f"only {len(whole)} prompts fit: too few to show the cut"
+        leases = worker.stats()["leases"]
+        assert (leases["limit_chunks"], leases["limit_cuts"]) == (32, 1), leases
+        # Lookups now hold at most the cut limit: two prompts, then nothing asked, nothing leased.
+        answers = [await worker.lookup(prompt(seed, chunks)) // CHUNK_TOKENS for seed in whole]
+        assert answers == [chunks, chunks] + [0] * (len(whole) - 2)
+        assert worker.stats()["leases"]["trimmed_lookups"] == len(whole) - 2
+
+        # Room again (the fill removed): every put the store takes whole gives a sixteenth back.
+        for seed in whole:
+            backend.batch_remove(chunk_keys(prompt(seed, chunks), CHUNK_TOKENS, layout, 0, tag), force=True)
+        limits = []
+        for seed in range(300, 308):
+            stored = await worker.store(prompt(seed, 1), [np.arange(1)])
+            assert stored.stored == 1, stored
+            limits.append(worker.stats()["leases"]["limit_chunks"])
+        assert limits == list(range(36, 65, 4))
+        assert await worker.lookup(prompt(whole[2], chunks)) == 0  # removed: found absent, not trimmed
+        assert worker.stats()["leases"]["trimmed_lookups"] == len(whole) - 2
+    del cache
+
+
+@pytest.mark.mooncake
+def test_a_threaded_worker_told_that_another_worker_loads_its_hit_frees_that_budget(
+    mooncake_master: MooncakeMaster, mooncake_backend_factory: Callable[..., Any]
+) -> None:
+    # The vLLM connector's scheduler looks up on one worker and its engine's workers load: it says so
+    # once it orders a load (GroupWorkers.lookup_loaded), from the scheduler's thread.
+    backend = mooncake_backend_factory(mooncake_master.address, default_kv_lease_ttl=LONG_LEASE_MS)
+    cache, layout = cache_and_layout(64)
+    tag = f"threaded-{time.monotonic_ns()}"
+    half = 32
+    with ThreadedKVWorker(layout, backend, namespace=tag, chunk_tokens=CHUNK_TOKENS) as worker:
+        for seed in (1, 2, 3):
+            assert worker.store(prompt(seed, half), [np.arange(half)]).result().stored == half
+        prompts = [HashedPrompt.from_tokens(prompt(seed, half), CHUNK_TOKENS) for seed in (1, 2, 3)]
+        assert [worker.lookup(p) // CHUNK_TOKENS for p in prompts] == [half, half, 0]
+        worker.lookup_loaded(prompts[0])
+        assert worker.lookup(prompts[2]) // CHUNK_TOKENS == half
+        leases = worker.stats()["leases"]
+        assert leases["loaded_chunks"] == half and leases["held_chunks"] == 2 * half, leases
     del cache

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sized
+from typing import Protocol
 
 import numpy as np
 
@@ -18,14 +19,24 @@ from ..stats import Op, WorkerStats
 logger = logging.getLogger("aiokv")
 
 
+class StoreRoom(Protocol):
+    """What hears whether the store found room for a put call (the lookups' lease ledger)."""
+
+    def store_full(self) -> None: ...
+
+    def store_took(self) -> None: ...
+
+
 class PressureBackoff:
     """After the store answers "full" (-200), stores pause for a while (their missing chunks fail
-    ``NO_SPACE`` without a call) instead of hammering a full store."""
+    ``NO_SPACE`` without a call) instead of hammering a full store. ``room`` hears every put call's
+    verdict: "full", or taken whole."""
 
-    def __init__(self, seconds: float, stats: WorkerStats) -> None:
+    def __init__(self, seconds: float, stats: WorkerStats, room: StoreRoom | None = None) -> None:
         self._seconds = seconds
         self._stats = stats
         self._until = 0.0
+        self._room = room
 
     @property
     def enabled(self) -> bool:
@@ -40,6 +51,18 @@ class PressureBackoff:
             self._stats.pressure_backoffs += 1
             logger.warning("aiokv: store full (-200); backing off stores for %.2f s", self._seconds)
         self._until = now + self._seconds
+
+    def full(self) -> None:
+        """A put call answered "no space" for some key."""
+        if self._room is not None:
+            self._room.store_full()
+        if self.enabled:
+            self.enter()
+
+    def took(self) -> None:
+        """A put call wrote every key."""
+        if self._room is not None:
+            self._room.store_took()
 
 
 def answer_codes(
@@ -77,6 +100,7 @@ def answer_codes(
         row_total = int(sizes[0].sum())
         if op is Op.PUT and int(codes.min()) >= 0:
             stats.bytes[op] += row_total * codes.size
+            backoff.took()
             return _all(codes.size, WRITTEN), None
         if op is Op.GET and bool((codes == row_total).all()):
             stats.bytes[op] += row_total * codes.size
@@ -89,8 +113,10 @@ def answer_codes(
         ok = codes >= 0
     else:
         codes = np.where(ok, WRITTEN, codes)
-        if (codes == Code.NO_SPACE).any() and backoff.enabled:
-            backoff.enter()
+        if (codes == Code.NO_SPACE).any():
+            backoff.full()
+        elif ok.all():
+            backoff.took()
     stats.bytes[op] += int(expected[ok].sum())
     if not ok.all():
         _count_failures(op, codes[~ok], len(keys), stats)

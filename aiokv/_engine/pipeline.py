@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -43,6 +44,9 @@ from .slices import LoopSlice, pieces
 from .tracker import RequestTracker
 from .transfer import GroupTransfer, all_settled
 
+if TYPE_CHECKING:
+    from ..leases import LeaseLedger
+
 logger = logging.getLogger("aiokv")
 
 # A lookup of at most this many chunks, on a backend answering from this process's memory, is answered
@@ -51,17 +55,24 @@ INLINE_LOOKUP_CHUNKS = 256
 
 
 class BatchPipeline:
-    """Runs the batches of one worker; holds what outlives a batch (key claims, backoff)."""
+    """Runs the batches of one worker; holds what outlives a batch (key claims, backoff). ``leases``:
+    the worker's lease ledger, told of its loads' chunks and of its puts' verdicts."""
 
     def __init__(
-        self, config: EngineConfig, tracker: RequestTracker, lanes: Lanes, stats: WorkerStats
+        self,
+        config: EngineConfig,
+        tracker: RequestTracker,
+        lanes: Lanes,
+        stats: WorkerStats,
+        leases: LeaseLedger | None = None,
     ) -> None:
         self._config = config
         self._tracker = tracker
         self._lanes = lanes
         self._stats = stats
+        self._leases = leases
         self._claims = Claims()
-        self._backoff = PressureBackoff(config.pressure_backoff_s, stats)
+        self._backoff = PressureBackoff(config.pressure_backoff_s, stats, leases)
         self._transfer = GroupTransfer(config, lanes, tracker, stats, self._backoff)
         self._exists = ExistenceCheck(config, lanes, tracker, stats)
         self._confirmation = WriteConfirmation(self._exists, lanes, tracker)
@@ -185,6 +196,11 @@ class BatchPipeline:
                     await clock.tick()
                 per_group.append(keys)
             request.keys = tuple(per_group)
+            if self._leases is not None and request.kind is Kind.LOAD:
+                # The load leases what it reads: the lookups that found its chunks hold them no more.
+                for part in pieces(len(hashes)):
+                    self._leases.loaded(hashes[part])
+                    await clock.tick()
             request.hashes = None  # the keys hold what is needed from now on
             self._tracker.open_codes(request, config.groups)
         positions = await assign_positions(cycle, [r.keys for r in live])

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ...._registration import merged_spans
-from ....keys import KeyNamespace
+from ....keys import HashedPrompt, KeyNamespace
 from ....layout import KVLayout
 from ....leases import LeaseBudget
 from ....threaded import ThreadedKVWorker
@@ -94,6 +94,12 @@ class GroupWorkers:
         except BaseException:
             self.close()
             raise
+
+    def lookup_loaded(self, prompt: HashedPrompt) -> None:
+        """A load of ``prompt``'s chunks was ordered: each group's lookups that found them hold them no
+        more against their lease budget (the load leases them itself)."""
+        for worker in self.workers:
+            safe_call("releasing a lookup's lease budget", functools.partial(worker.lookup_loaded, prompt))
 
     def close(self) -> None:
         """Close every worker, then release the memory (the backend stays the caller's)."""
