@@ -27,6 +27,7 @@ from .backends.base import (
     check_backend,
     keys_per_call,
 )
+from .backends.disk import DiskBackend
 from .backends.memory import MemoryBackend
 from .backends.verified import VerifiedBackend
 from .breaker import BreakerConfig, BreakerState, CircuitBreaker
@@ -80,6 +81,7 @@ __all__ = [
     "ChunkOutcome",
     "CircuitBreaker",
     "Code",
+    "DiskBackend",
     "HashedPrompt",
     "InvalidRequestError",
     "KVLayout",
