@@ -105,6 +105,14 @@ CONFIGS: dict[str, Config] = {
 }
 
 
+BUILT_IN = frozenset(CONFIGS)
+
+
+def _variant(extra: dict[str, Any]) -> Config:
+    """aiokv on Mooncake with ``extra`` merged into its extra config (``--variant``)."""
+    return Config(lambda store, common: kv_transfer_config("aiokv", store, {**common, **extra}))
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks vllm --http",
@@ -119,6 +127,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--layers", type=int, default=MODEL_SHAPE["num_layers"], help="model layers (16)")
     parser.add_argument("--kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE (default 2)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"subset of {', '.join(CONFIGS)}")
+    parser.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=JSON",
+        help="one more configuration: aiokv on Mooncake with JSON merged into its extra config (repeatable; "
+        "compared with aiokv and vllm), e.g. --variant 'two-threads={\"executor_threads\": 2}'",
+    )
     parser.add_argument("--aiokv-extra", type=json.loads, default={}, help="JSON merged into aiokv's extra")
     parser.add_argument(
         "--rounds",
@@ -328,6 +344,8 @@ def run_config(
         before = loader.metrics() if aiokv else {}
         began = time.monotonic()
         result["run"] = drive(loader, clients, args.output_tokens)
+        if aiokv:
+            _flush_worker_counters(loader)
         # AiokvConnector's counters over the loading server's life (warm-up included): lookups
         # answered "ask again", chunks loaded, ...; its own phase figures over the driven requests.
         result["aiokv_counters"] = loader.metrics() if aiokv else {}
@@ -335,6 +353,15 @@ def run_config(
         stamps = [event for event in read_events(events[loader_role]) if event[0] >= began]
         result["hit_phases"] = phases_by_request(stamps)
         return result
+
+
+def _flush_worker_counters(server: VllmServer) -> None:
+    """The workers report aiokv's counters at most every second, and only as the engine steps: two
+    short requests of fresh tokens (stores only, no load), a second apart, bring them in."""
+    for n in range(2):
+        time.sleep(1.2)
+        fresh = [(7 * n + 11 * i) % (MODEL_SHAPE["vocab_size"] - 3) + 3 for i in range(2 * BLOCK_SIZE)]
+        server.complete(fresh, max_tokens=1, logprobs=None)
 
 
 def _wait_stored(server: VllmServer, prefixes: dict[int, list[int]]) -> float:
@@ -436,8 +463,17 @@ def ratios(figures_by_name: dict[str, dict[str, Any]]) -> dict[str, dict[str, fl
         for a, b in pairs
         if a in figures_by_name and b in figures_by_name
     }
+    variants = [name for name in figures_by_name if name not in BUILT_IN]
+    out.update(
+        {
+            f"{a} / {b}": {k: figures_by_name[a][k] / figures_by_name[b][k] for k in keys}
+            for a in variants
+            for b in ("aiokv", "vllm")
+            if b in figures_by_name
+        }
+    )
     if floor in figures_by_name and "vllm" in figures_by_name:
-        for name in ("aiokv", "unverified", "tiered", "embedded"):
+        for name in ("aiokv", "unverified", "tiered", "embedded", *variants):
             if name in figures_by_name:
                 out[f"{name} / vllm, TTFT above the floor"] = {
                     key: (figures_by_name[name][key] - figures_by_name[floor][key])
@@ -454,6 +490,12 @@ def main(argv: list[str] | None = None) -> int:
     from .cli import _private_namespace
 
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    for variant in args.variant:
+        name, _, extra = variant.partition("=")
+        if not name or name in CONFIGS or not extra:
+            raise SystemExit(f"--variant wants NAME=JSON with a new name, got {variant!r}")
+        CONFIGS[name] = _variant(json.loads(extra))
+        configs.append(name)
     unknown = sorted(set(configs) - set(CONFIGS))
     if unknown or "recompute" not in configs:
         raise SystemExit(f"--configs must name recompute and any of {', '.join(CONFIGS)}; got {unknown}")
