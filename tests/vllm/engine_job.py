@@ -82,6 +82,10 @@ def main(job_path: str, out_path: str) -> None:
         "disable_log_stats": True,
     }
     options.update(job.get("engine", {}))
+    if isinstance(options.get("kv_events_config"), dict):  # LLM takes only the config object
+        from vllm.config import KVEventsConfig
+
+        options["kv_events_config"] = KVEventsConfig(**options["kv_events_config"])
     if job.get("kv_transfer_config"):
         options["kv_transfer_config"] = job["kv_transfer_config"]
     started = time.monotonic()

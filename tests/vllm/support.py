@@ -249,9 +249,9 @@ def one_token_left_pairs(run: dict[str, Any], count: int) -> list[tuple[dict[str
 
 
 # Bounds of the logprob tolerance. Floor: where a CPU's control is bitwise equal (AMX, tens of tokens
-# computed behind a prefix), only rounding of the JSON floats remains. Cap: corrupted
-# or foreign KV moves the greedy token's logprob by 1 or more (1.6 when concurrent loads once filled each other's blocks),
-# so no control may widen the tolerance to where that would pass.
+# computed behind a prefix), only rounding of the JSON floats remains. Cap: corrupted or foreign KV
+# moves the greedy token's logprob by 1 or more (1.6 when concurrent loads once filled each other's
+# blocks), so no control may widen the tolerance to where that would pass.
 LOGPROB_TOLERANCE_FLOOR = 0.02
 LOGPROB_TOLERANCE_CAP = 0.5
 

@@ -58,7 +58,8 @@ P = tokens(60, 2000)  # 15 full blocks: 3 chunks of 4 blocks (AiokvConnector), 1
 Q = tokens(61, 2000)
 P_SHARING = [P[:1024] + tokens(70 + i, 676) for i in range(4)]
 Q_SHARING = [Q[:1536] + tokens(80 + i, 364) for i in range(4)]
-SCENARIO = [P, P, Q, Q, *P_SHARING, *Q_SHARING]  # 12 concurrent requests: repeats, and prompts sharing prefixes
+# 12 concurrent requests: repeats, and prompts sharing prefixes.
+SCENARIO = [P, P, Q, Q, *P_SHARING, *Q_SHARING]
 LABELS = ["P", "P", "Q", "Q", *(f"P{i}" for i in range(4)), *(f"Q{i}" for i in range(4))]
 # Stored by a server stopped with SIGINT while their stores are in flight.
 STOPPED = [tokens(90 + i, 1700) for i in range(3)]

@@ -3,8 +3,10 @@
 Engine A stores two prompts (into its tier and Mooncake) and hits them from its tier once vLLM's prefix
 cache is dropped. Engine B, a fresh process with an empty tier of 24 blocks, loads them from Mooncake
 (promoting them into its tier, which holds only 24 of their 28 blocks: the least recently used are
-dropped), then hits again from both tiers. Every output equals the run without a connector. Run
-inside a private network namespace."""
+dropped), then hits again from both tiers. A disk tier in front of Mooncake (``"disk-tiered"``): engine
+C promotes what it loads from Mooncake onto its disk, and engine D, a fresh process on the same
+directory, hits it all from the disk. Every output equals the run without a connector. Run inside a
+private network namespace."""
 
 from __future__ import annotations
 
@@ -107,3 +109,40 @@ def test_a_remote_hit_is_promoted_and_eviction_pressure_keeps_outputs_exact(runs
     assert after["host_tier"]["hits"] > 0  # Q (and what is left of P) from the tier...
     assert after["chunks"]["loaded"] > KEYS  # ...P's dropped blocks from Mooncake again
     assert after["host_tier"]["used_bytes"] <= after["host_tier"]["capacity_bytes"]
+
+
+@pytest.fixture(scope="module")
+def disk_runs(world: dict[str, Any], runs: dict[str, Any]) -> dict[str, Any]:
+    """Engines C and D, ``disk-tiered`` on one directory, after engine A filled Mooncake."""
+    (world["root"] / "disk").mkdir()
+    kv = connector(
+        {
+            "backend": "disk-tiered",
+            "mooncake_config": str(world["mooncake_config"]),
+            "disk_path": str(world["root"] / "disk"),
+            "disk_capacity": "64MiB",
+            "chunk_blocks": 1,
+        }
+    )
+
+    def engine(name: str, steps: list[dict[str, Any]]) -> dict[str, Any]:
+        return run_engine(
+            world["root"], name, model=world["model"], steps=steps, kv_transfer_config=kv, env=MOONCAKE_ENV
+        )
+
+    return {
+        "c": engine("disk-tiered-c", [generate("remote", PROMPTS), {"op": "flush"}, {"op": "stats"}]),
+        "d": engine("disk-tiered-d", [generate("restart", PROMPTS), {"op": "stats"}]),
+    }
+
+
+def test_a_disk_tier_in_front_of_mooncake_survives_a_restart(
+    runs: dict[str, Any], disk_runs: dict[str, Any]
+) -> None:
+    c, d, reference = disk_runs["c"], disk_runs["d"], runs["reference"]
+    assert [out["cached"] for out in c["remote"]["outputs"]] == WHOLE_PROMPTS  # from Mooncake
+    assert c["stats"]["host_tier"]["promotions"] == KEYS
+    assert [out["cached"] for out in d["restart"]["outputs"]] == WHOLE_PROMPTS  # from the disk
+    assert_matches_reference(c["remote"]["outputs"], reference, "disk-tiered, from Mooncake")
+    assert_matches_reference(d["restart"]["outputs"], reference, "disk-tiered, after a restart")
+    assert d["stats"]["host_tier"]["hits"] == KEYS and d["stats"]["chunks"].get("loaded", 0) == 0

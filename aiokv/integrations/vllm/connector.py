@@ -16,6 +16,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
@@ -98,6 +99,23 @@ class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids), None
 
+    def set_xfer_handshake_metadata_pp_aware(self, metadata: dict[tuple[int, int], Any]) -> None:
+        """Scheduler side: every rank's handshake (:meth:`get_handshake_metadata`), at start-up."""
+        self._sched().on_handshake(metadata.values())
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, Any]) -> None:
+        self._sched().on_handshake(metadata.values())
+
+    def take_events(self) -> list[Any]:
+        """vLLM's ``BlockStored``/``BlockRemoved`` for the connector's tiers, published by the scheduler
+        with its own (built only with ``kv_events_config.enable_kv_cache_events``)."""
+        return self._sched().take_events()
+
+    def get_kv_connector_kv_cache_events(self) -> None:
+        """Worker side: nothing. A chunk is announced by the scheduler side, which knows when every rank
+        wrote it, through ``take_events``; the workers report their writes in their metadata."""
+        return None
+
     # -- worker side ----------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -139,6 +157,11 @@ class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().get_block_ids_with_load_errors()
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        """Worker side: what this rank's disk tier held when it opened, so a restarted engine's first
+        requests already hit it (vLLM collects it once, after the KV cache is registered)."""
+        return self._work().handshake()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
         """The host tier's writes since the last step, for the scheduler's index, and the load policy's

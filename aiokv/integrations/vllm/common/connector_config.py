@@ -19,7 +19,8 @@ from ....backends.mooncake import CONFIG_ENV_VAR, parse_size
 logger = logging.getLogger("aiokv.vllm")
 
 KEY_FORMATS = ("aiokv", "vllm")
-BACKENDS = ("mooncake", "memory", "tiered")
+BACKENDS = ("mooncake", "memory", "tiered", "disk", "disk-tiered")
+DISK_BACKENDS = ("disk", "disk-tiered")
 
 # Keys vLLM's MooncakeStoreConnector reads that mean nothing here; accepted so a config can be reused.
 IGNORED_VLLM_KEYS = frozenset(
@@ -83,9 +84,12 @@ class ConnectorConfig:
     model_name: str | None = None
     cache_prefix: str = ""
     memory_capacity: int = 1 << 30
+    disk_path: str | None = None
+    disk_capacity: int = 64 << 30
     lookup_timeout_s: float = 5.0
     lookup_wait_s: float = 0.02
     idle_wait_s: float = 0.002
+    gil_switch_interval_s: float | None = None
     load_timeout_s: float = 30.0
     store_timeout_s: float = 60.0
     setup_retries: int = 2
@@ -95,14 +99,19 @@ class ConnectorConfig:
 
     @property
     def host_tier(self) -> bool:
-        """Whether the engine's workers keep a host-memory tier (``"memory"``: alone; ``"tiered"``: in
-        front of Mooncake)."""
-        return self.backend in ("memory", "tiered")
+        """Whether the engine's workers keep a tier of their own (``"memory"``, ``"disk"``: alone;
+        ``"tiered"``, ``"disk-tiered"``: in front of Mooncake), indexed by the scheduler."""
+        return self.backend in ("memory", "tiered", *DISK_BACKENDS)
+
+    @property
+    def disk_tier(self) -> bool:
+        """Whether that tier's store is a :class:`~aiokv.backends.disk.DiskBackend` per rank."""
+        return self.backend in DISK_BACKENDS
 
     @property
     def remote(self) -> bool:
         """Whether there is a store outside the engine (Mooncake, or a backend of the user's own)."""
-        return self.backend != "memory"
+        return self.backend not in ("memory", "disk")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> ConnectorConfig:
@@ -158,6 +167,12 @@ class ConnectorConfig:
             raise ValueError(
                 f"kv_connector_extra_config['memory_capacity'] must be positive, got {memory_capacity}"
             )
+        disk_capacity = parse_size(extra.get("disk_capacity", 64 << 30), "disk_capacity")
+        if disk_capacity <= 0:
+            raise ValueError(
+                f"kv_connector_extra_config['disk_capacity'] must be positive, got {disk_capacity}"
+            )
+        disk_path = checked_disk_path(extra.get("disk_path"), backend) if backend in DISK_BACKENDS else None
         return cls(
             backend=backend,
             mooncake_config=mooncake,
@@ -170,9 +185,16 @@ class ConnectorConfig:
             model_name=extra.get("model_name"),
             cache_prefix=extra.get("cache_prefix") or "",
             memory_capacity=memory_capacity,
+            disk_path=disk_path,
+            disk_capacity=disk_capacity,
             lookup_timeout_s=float(_positive(extra, "lookup_timeout_s", 5.0)),
             lookup_wait_s=float(_positive(extra, "lookup_wait_s", 0.02)),
             idle_wait_s=float(_non_negative(extra, "idle_wait_s", 0.002)),
+            gil_switch_interval_s=(
+                None
+                if extra.get("gil_switch_interval_s") is None
+                else float(_positive(extra, "gil_switch_interval_s", 0.005))
+            ),
             load_timeout_s=float(_positive(extra, "load_timeout_s", 30.0)),
             store_timeout_s=float(_positive(extra, "store_timeout_s", 60.0)),
             setup_retries=_positive(extra, "setup_retries", 2, integer=True),
@@ -180,6 +202,22 @@ class ConnectorConfig:
             verify_values=key_format == "aiokv" and _bool(extra, "verify_values", True),
             decline_slow_loads=_bool(extra, "decline_slow_loads", False),
         )
+
+
+def checked_disk_path(path: Any, backend: str) -> str:
+    """``disk_path`` as an absolute path: an existing directory this process can write (each rank
+    makes its own ``rank-<n>`` in it); ``ValueError`` naming the key and the path otherwise."""
+    key = "kv_connector_extra_config['disk_path']"
+    if not isinstance(path, str) or not path.strip():
+        raise ValueError(f"backend {backend!r} needs {key}: a directory for the disk tier, got {path!r}")
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.exists(path):
+        raise ValueError(f"{key} {path} does not exist: create the directory first")
+    if not os.path.isdir(path):
+        raise ValueError(f"{key} {path} is a file, not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{key} {path} is not writable by this process (read-only, or its permissions)")
+    return path
 
 
 def load_mooncake_source(source: Mapping[str, Any] | str | None) -> dict[str, Any]:
@@ -252,5 +290,7 @@ def mooncake_client_config(source: Mapping[str, Any] | str | None, *, pure_clien
 
 def tier_capacity_per_rank(config: ConnectorConfig, world_size: int) -> int:
     """Each worker's share of ``memory_capacity`` (the engine's whole host tier, as vLLM's
-    ``--kv-offloading-size`` counts it): every rank holds its shard of the same chunks."""
-    return int(config.memory_capacity) // max(1, world_size)
+    ``--kv-offloading-size`` counts it), or of ``disk_capacity`` for a disk tier: every rank holds its
+    shard of the same chunks."""
+    capacity = config.disk_capacity if config.disk_tier else config.memory_capacity
+    return int(capacity) // max(1, world_size)

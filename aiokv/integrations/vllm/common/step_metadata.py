@@ -6,9 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
 
-from .wire import Measurements, TierReport, TierStep, TransferSpec
+from .wire import Measurements, StoreReport, TierReport, TierStep, TransferSpec
 
 
 @dataclass
@@ -35,6 +39,8 @@ class AiokvWorkerMetadata(KVConnectorWorkerMetadata):
     tier: TierReport | None = None
     measured: Measurements | None = None
     loads_done: dict[str, float] = field(default_factory=dict)
+    # Chunks the store behind the engine confirmed, for the scheduler's KV events (None when they are off).
+    stored: StoreReport | None = None
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, AiokvWorkerMetadata):
@@ -48,4 +54,15 @@ class AiokvWorkerMetadata(KVConnectorWorkerMetadata):
         loads_done = dict(self.loads_done)
         for req_id, at in other.loads_done.items():
             loads_done[req_id] = max(at, loads_done.get(req_id, at))
-        return AiokvWorkerMetadata(tier, measured, loads_done)
+        stored = (
+            self.stored.merge(other.stored) if self.stored and other.stored else (self.stored or other.stored)
+        )
+        return AiokvWorkerMetadata(tier, measured, loads_done, stored)
+
+
+@dataclass
+class AiokvHandshakeMetadata(KVConnectorHandshakeMetadata):
+    """What a worker rank tells the scheduler once, at start-up (vLLM's handshake, after the KV cache
+    is registered): what its disk tier held when it opened."""
+
+    tier: TierReport | None = None

@@ -12,7 +12,7 @@ import concurrent.futures
 import logging
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from ..common.step_metadata import AiokvConnectorMetadata
 from ..common.wire import TransferSpec
 from .group_lookups import GroupLookup
 from .hit_phases import HitPhases
+from .kv_events import connector_events
 from .load_policy import Decision, LoadPolicy
 from .prompt_tails import PromptTails
 from .state_groups import StateGroups
@@ -38,7 +39,9 @@ from .tier_index import LookupClient, scheduler_tier
 
 logger = logging.getLogger("aiokv.vllm")
 
-LOOKUP_LEASE_CACHES = 2  # the scheduler's lookups may hold leases on this many KV caches' worth of chunks
+# The scheduler's lookups may hold leases on this many KV caches' worth of chunks not loaded yet (a load
+# leases what it reads itself: loaded chunks stop counting).
+LOOKUP_LEASE_CACHES = 2
 
 
 @dataclass
@@ -89,8 +92,8 @@ class SchedulerSide:
                 chunk_tokens=self.chunk_tokens,
                 executor_threads=1,
                 # Not the default (the lookup layout is one scratch page). Distinct chunks (a prompt
-                # asked about again costs nothing): the running requests' cache and as much again for
-                # those waiting to be scheduled.
+                # asked about again costs nothing) found and not loaded yet: the hits of requests
+                # waiting to be scheduled, or aborted before their load.
                 lease_budgets=[
                     LeaseBudget(max_bytes=LOOKUP_LEASE_CACHES * cache_blocks * group.block_bytes)
                     for group in geometry.groups
@@ -122,6 +125,8 @@ class SchedulerSide:
         # Prompts' last partial blocks (:mod:`.prompt_tails`), stored once their requests end.
         self._tails = PromptTails(vllm_config, config, geometry)
         self._stores = StepStores(config, self.block_size, self._tails, self._states)
+        # vLLM's KV events for the tiers (None unless the engine publishes events).
+        self._events = connector_events(vllm_config, config, geometry, self._tails, self._tier)
         self.counters: Counter[str] = Counter()
         self._deltas = CounterDeltas()
         self._phases = HitPhases()  # where each hit's time goes (vLLM's stats hook)
@@ -237,7 +242,11 @@ class SchedulerSide:
         spec = self._load_spec(req_id, hit, blocks.get_block_ids(), num_external_tokens)
         self._phases.allocated(req_id, time.monotonic(), len(spec.prompt.hashes) * self._chunk_bytes)
         self._loads.append(spec)
+        if self._groups is not None:
+            self._groups.lookup_loaded(spec.prompt)  # the load leases them itself from now on
         self._load_blocks[req_id] = {b for ids in (*spec.block_ids, *spec.unloaded_block_ids) for b in ids}
+        if self._events is not None:
+            self._events.on_load(request, spec)
         if self._tier is not None:
             self._tier.on_load(req_id, spec.prompt, asynchronous=self.config.load_async)
         if self.config.load_async:
@@ -290,6 +299,7 @@ class SchedulerSide:
             tuple(block_ids),
             tuple(first_chunks),
             tuple(unloaded),
+            offset=first,
         )
 
     # -- each step ------------------------------------------------------------------------------
@@ -317,6 +327,8 @@ class SchedulerSide:
 
     def _with_tier(self, meta: AiokvConnectorMetadata) -> AiokvConnectorMetadata:
         """The host tier's orders for this step (drops, admitted writes of its stores), if any."""
+        if self._events is not None:
+            self._events.on_step(meta, self._requests)
         if self._tier is not None:
             meta.tier = self._tier.on_step(meta.stores)
         return meta
@@ -344,6 +356,14 @@ class SchedulerSide:
                 self._policy.observe(measured, time.monotonic())
         if self._tier is not None:
             self._tier.on_output(getattr(worker_meta, "tier", None), connector_output.finished_recving or ())
+        if self._events is not None:
+            self._events.on_output(connector_output)
+
+    def on_handshake(self, handshakes: Iterable[Any]) -> None:
+        """The workers' handshakes at start-up: what their disk tiers held (a restart), for the index."""
+        for handshake in handshakes:
+            if self._tier is not None and getattr(handshake, "tier", None) is not None:
+                self._tier.on_output(handshake.tier, ())
 
     def request_finished(self, request: Any, group_block_ids: Sequence[Sequence[int]]) -> bool:
         """Whether the blocks must wait: a store of this request (its prompt's tail, ordered here for
@@ -356,6 +376,8 @@ class SchedulerSide:
             table.pop(req_id, None)  # type: ignore[attr-defined]
         self._load_failed.discard(req_id)
         self._phases.forget(req_id)
+        if self._events is not None:
+            self._events.request_finished(request)
         if self._policy is not None:
             self._policy.load_ended(req_id)
         loading = req_id in self._loading
@@ -363,6 +385,10 @@ class SchedulerSide:
         if self._tier is not None and not loading:
             self._tier.release(req_id)
         return loading or stored
+
+    def take_events(self) -> list[Any]:
+        """vLLM KV events for the connector's tiers since the last call (:mod:`.kv_events`)."""
+        return self._events.take() if self._events is not None else []
 
     def stats(self) -> dict[str, Any]:
         """The scheduler's counters (lookups deferred), and the load policy's (hit tokens declined, and
@@ -379,6 +405,8 @@ class SchedulerSide:
         return delta or None
 
     def shutdown(self) -> None:
+        if self._tier is not None:
+            self._tier.log_contents()
         for lookup in self._lookups.values():
             for future in lookup.pending():
                 future.cancel()

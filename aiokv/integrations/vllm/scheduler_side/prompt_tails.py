@@ -52,7 +52,7 @@ class PromptTails:
             # The engine's own block hash function (vLLM's engine core initialised its None hash).
             self._hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
 
-    def _tail_hash(self, request: Any, end: int) -> Any | None:
+    def tail_hash(self, request: Any, end: int) -> Any | None:
         """vLLM's hash of tokens ``[full, end)`` (``full``: the last block boundary before ``end``) as
         one more block, or None if they end on a boundary or the full blocks are not all hashed."""
         full = end // self.block_size
@@ -70,7 +70,7 @@ class PromptTails:
         they are all of the request's full blocks."""
         hashes = list(request.block_hashes[:blocks])
         if blocks == request.num_tokens // self.block_size:
-            tail = self._tail_hash(request, request.num_tokens)
+            tail = self.tail_hash(request, request.num_tokens)
             if tail is not None:
                 hashes.append(tail)
         return hashes
@@ -83,7 +83,7 @@ class PromptTails:
         prompt_tokens = int(request.num_prompt_tokens)
         if not request.output_token_ids:
             return None
-        tail = self._tail_hash(request, prompt_tokens)
+        tail = self.tail_hash(request, prompt_tokens)
         if tail is None:
             return None
         full = prompt_tokens // self.block_size
@@ -96,4 +96,5 @@ class PromptTails:
             HashedPrompt(prompt.hashes[-1:], prompt.chunk_tokens),
             tuple((int(ids[full]),) for ids in group_block_ids),
             (0,) * len(group_block_ids),
+            offset=full,
         )

@@ -88,6 +88,7 @@ class StepStores:
             HashedPrompt(prompt.hashes[done:chunks], self.chunk_tokens),
             tuple(block_ids),
             tuple(first_chunks),
+            offset=done,
         )
 
     def finished(self, request: Any, group_block_ids: Sequence[Sequence[int]], *, store_tail: bool) -> bool:

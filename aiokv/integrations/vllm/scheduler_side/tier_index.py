@@ -18,10 +18,11 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from ....backends.disk_format import ALIGN
 from ....keys import HashedPrompt
 from ..common.chained_futures import copy_outcome
 from ..common.connector_config import tier_capacity_per_rank
@@ -30,6 +31,16 @@ from ..common.wire import TierReport, TierStep
 logger = logging.getLogger("aiokv.vllm")
 
 _PAGE = 4096  # the workers' stores place values on page boundaries
+
+
+class TierWatcher(Protocol):
+    """Told of each change of the index, as it happens (the connector's KV events)."""
+
+    def admitted(self, digest: str) -> None: ...
+
+    def ready(self, digest: str) -> None: ...  # a hit from now on
+
+    def dropped(self, digest: str) -> None: ...  # evicted, or its write failed on some rank
 
 
 class LookupClient(Protocol):
@@ -51,9 +62,10 @@ class _Entry:
 
 class TierIndex:
     """Which chunks every worker holds, in least-recently-used order, within ``capacity_bytes`` per
-    rank (every rank holds its own shard of the same chunks, so one count stands for all)."""
+    rank (every rank holds its own shard of the same chunks, so one count stands for all).
+    ``overhead_bytes``: what the ranks' stores add to each value (a disk tier: a header page)."""
 
-    def __init__(self, capacity_bytes: int, ranks: int) -> None:
+    def __init__(self, capacity_bytes: int, ranks: int, overhead_bytes: int = 0) -> None:
         if capacity_bytes <= 0 or ranks <= 0:
             raise ValueError(
                 f"a host tier needs a positive capacity and rank count, got {capacity_bytes}, {ranks}"
@@ -65,6 +77,10 @@ class TierIndex:
         self._removes: list[str] = []
         self._admits: list[str] = []
         self.evictions = 0
+        self.watcher: TierWatcher | None = None
+        self.overhead_bytes = overhead_bytes
+        self._listed: set[int] = set()  # ranks that reported what their store held at open
+        self._restoring: set[str] = set()  # chunks found at open, until every rank has listed
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -87,6 +103,10 @@ class TierIndex:
             count += 1
         return count
 
+    def ready_digests(self) -> list[str]:
+        """The chunks every rank holds, least recently used first."""
+        return [digest for digest, entry in self._entries.items() if entry.ready]
+
     def touch(self, digest: str) -> None:
         if digest in self._entries:
             self._entries.move_to_end(digest)
@@ -96,7 +116,7 @@ class TierIndex:
         order its write; False if it is known already or nothing can make room."""
         if digest in self._entries:
             return False
-        nbytes = -(-nbytes // _PAGE) * _PAGE
+        nbytes = self._cost(nbytes)
         if nbytes > self.capacity_bytes:
             return False
         if self.used_bytes + nbytes > self.capacity_bytes:
@@ -116,6 +136,8 @@ class TierIndex:
         self._entries[digest] = _Entry(nbytes)
         self.used_bytes += nbytes
         self._admits.append(digest)
+        if self.watcher is not None:
+            self.watcher.admitted(digest)
         return True
 
     def pin(self, hashes: Iterable[str]) -> list[str]:
@@ -137,7 +159,16 @@ class TierIndex:
 
     def on_report(self, report: TierReport) -> None:
         """Record what the ranks wrote; a chunk every rank wrote is a hit from now on, one some rank
-        could not write is dropped everywhere (once every rank answered: a drop never races a write)."""
+        could not write is dropped everywhere (once every rank answered: a drop never races a write).
+        Then what ranks found at open (:meth:`_learn`) and lost (dropped everywhere: a write in flight
+        reports for itself)."""
+        for rank, held in report.found.items():
+            self._learn(rank, held)
+        for digests in report.lost.values():
+            for digest in digests:
+                entry = self._entries.get(digest)
+                if entry is not None and entry.ready:
+                    self._drop(digest)
         for outcome, by_rank in ((True, report.stored), (False, report.failed)):
             for rank, digests in by_rank.items():
                 for digest in digests:
@@ -155,6 +186,48 @@ class TierIndex:
                             self._drop(digest)
                         else:
                             entry.ready = True
+                            if self.watcher is not None:
+                                self.watcher.ready(digest)
+
+    def _learn(self, rank: int, held: Mapping[str, int]) -> None:
+        """Rank ``rank``'s store held ``held`` (digest -> value bytes) when it opened: each chunk is a
+        hit once every rank listed it (or wrote it), as a written chunk is; once every rank has listed,
+        the chunks some rank lacks are dropped everywhere. A chunk past the budget is dropped."""
+        if rank in self._listed:
+            return
+        self._listed.add(rank)
+        for digest, nbytes in held.items():
+            entry = self._entries.get(digest)
+            if entry is None:
+                cost = self._cost(nbytes)
+                if self.used_bytes + cost > self.capacity_bytes:
+                    self._removes.append(digest)
+                    continue
+                entry = self._entries[digest] = _Entry(cost)
+                self.used_bytes += cost
+                self._restoring.add(digest)
+            elif entry.ready:
+                continue
+            entry.stored.add(rank)
+            if len(entry.stored) + len(entry.failed) >= self.ranks:
+                if entry.failed:
+                    self._drop(digest)
+                else:
+                    entry.ready = True
+        if len(self._listed) < self.ranks:
+            return
+        partial = [d for d in self._restoring if d in self._entries and not self._entries[d].ready]
+        for digest in partial:
+            self._drop(digest)
+        logger.info(
+            "aiokv: tier: %d chunk(s) its stores held at start are hits; %d not on every rank dropped",
+            len(self._restoring) - len(partial),
+            len(partial),
+        )
+        self._restoring = set()
+
+    def _cost(self, nbytes: int) -> int:
+        return -(-nbytes // _PAGE) * _PAGE + self.overhead_bytes
 
     def take_step(self) -> TierStep | None:
         """The orders gathered since the last step, or None."""
@@ -168,6 +241,8 @@ class TierIndex:
         entry = self._entries.pop(digest)
         self.used_bytes -= entry.nbytes
         self._removes.append(digest)
+        if self.watcher is not None:
+            self.watcher.dropped(digest)
 
 
 class TierLookup:
@@ -220,9 +295,16 @@ class SchedulerTier:
     block of every layer on one rank."""
 
     def __init__(
-        self, rank_capacity_bytes: int, ranks: int, block_bytes: int, block_size: int, *, behind: bool
+        self,
+        rank_capacity_bytes: int,
+        ranks: int,
+        block_bytes: int,
+        block_size: int,
+        *,
+        behind: bool,
+        overhead_bytes: int = 0,
     ) -> None:
-        self.index = TierIndex(rank_capacity_bytes, ranks)
+        self.index = TierIndex(rank_capacity_bytes, ranks, overhead_bytes)
         self.block_bytes = block_bytes
         self.block_size = block_size
         self.behind = behind  # a store behind the tier: chunks loaded from it are promoted
@@ -270,6 +352,12 @@ class SchedulerTier:
     def release(self, req_id: str) -> None:
         self.index.unpin(self._pins.pop(req_id, ()))
 
+    def log_contents(self) -> None:
+        """At DEBUG, the chunks that are hits now (to set against what a KV event subscriber rebuilt)."""
+        if logger.isEnabledFor(logging.DEBUG):
+            held = self.index.ready_digests()
+            logger.debug("aiokv: host tier holds %d chunk(s): %s", len(held), " ".join(held))
+
 
 def scheduler_tier(vllm_config: Any, config: Any, geometry: Any) -> SchedulerTier | None:
     """The scheduler's host tier for this engine, or None without one."""
@@ -282,4 +370,5 @@ def scheduler_tier(vllm_config: Any, config: Any, geometry: Any) -> SchedulerTie
         geometry.page_bytes * geometry.num_layers,
         geometry.block_size,
         behind=config.remote,
+        overhead_bytes=ALIGN if config.disk_tier else 0,  # each value's file starts with a header page
     )

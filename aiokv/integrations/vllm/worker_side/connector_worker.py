@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
+import sys
 import threading
 import time
 from collections import Counter, defaultdict
@@ -31,11 +32,13 @@ from ..common.from_vllm import engine_layout
 from ..common.geometry import EngineGeometry
 from ..common.group_workers import GroupWorkers
 from ..common.stats_reporter import CounterDeltas, StatsReporter
-from ..common.step_metadata import AiokvConnectorMetadata, AiokvWorkerMetadata
+from ..common.step_metadata import AiokvConnectorMetadata, AiokvHandshakeMetadata, AiokvWorkerMetadata
 from ..common.wire import TransferSpec
 from .chunk_movers import ChunkMover
 from .load_meter import LoadMeter
-from .tier_worker import TierWorker, open_tier_worker
+from .store_confirmations import store_confirmations
+from .tier_stores import DiskTierError, open_tier_worker
+from .tier_worker import TierWorker
 
 logger = logging.getLogger("aiokv.vllm")
 
@@ -100,6 +103,8 @@ class WorkerSide:
 
         self.config = config
         self.geometry = geometry
+        if config.gil_switch_interval_s is not None:
+            sys.setswitchinterval(config.gil_switch_interval_s)
         self.vllm_config = vllm_config
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.tp_rank = int(get_tensor_model_parallel_rank())
@@ -134,6 +139,8 @@ class WorkerSide:
         self._verify_deltas = CounterDeltas()
         # The load policy's measurements (scheduler_side.load_policy), reported to the scheduler each step.
         self.meter: LoadMeter | None = None
+        # The chunks this rank's stores confirmed in the store behind, for KV events (None when off).
+        self.confirmations = store_confirmations(vllm_config, config, geometry, self.tp_rank, pp_rank)
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         pages = self.config.key_format == "vllm"  # a state group's values then are vLLM's: whole pages
@@ -168,14 +175,22 @@ class WorkerSide:
                     self.config,
                     behind=behind,
                     behind_writes=self.writes,
+                    fingerprint=value_fingerprint(
+                        self.vllm_config, self.namespaces[0], shapes[0], layouts[0]
+                    ),
                 )
                 self.writes = True  # every rank holds its own tier, whoever writes to the store behind
         except Exception as exc:
-            logger.error("aiokv: cannot register the KV cache with the store (%s); running without it", exc)
+            if not isinstance(exc, DiskTierError):  # a disk tier's directory is the user's to fix
+                logger.error(
+                    "aiokv: cannot register the KV cache with the store (%s); running without it", exc
+                )
             if self._groups is not None:  # the tier failed: nothing may use the store's workers either
                 groups, self._groups = self._groups, None
                 groups.close()
             self._release_backend()
+            if isinstance(exc, DiskTierError):
+                raise
             return
         self._stats = [StatsReporter(worker, _STATS_INTERVAL_S) for worker in self._workers]
         if self.config.decline_slow_loads:
@@ -194,7 +209,7 @@ class WorkerSide:
                 layout.num_blocks,
                 group.page_bytes,
                 self.chunk_tokens,
-                "verified" if self._verified else "not verified",
+                "verified" if self._verified or self.config.disk_tier else "not verified",  # disk: checksums
             )
 
     def _verifying(self, layouts: list[Any], group: int, backend: Any) -> VerifiedBackend:
@@ -220,9 +235,16 @@ class WorkerSide:
         measured = self.meter.take() if self.meter is not None else None
         with self._loads_done_lock:
             done, self._loads_done = self._loads_done, {}
-        if report is None and not measured and not done:
+        stored = self.confirmations.report() if self.confirmations is not None else None
+        if report is None and not measured and not done and stored is None:
             return None
-        return AiokvWorkerMetadata(report, measured, done)
+        return AiokvWorkerMetadata(report, measured, done, stored)
+
+    def handshake(self) -> AiokvHandshakeMetadata | None:
+        """What this rank's tier held when it opened (a disk tier's restart), for the scheduler's index
+        before any request; None without (then, if ever, the first report carries it)."""
+        found = self.tier.take_found() if self.tier is not None else None
+        return AiokvHandshakeMetadata(found) if found is not None else None
 
     def handle_preemptions(self, meta: AiokvConnectorMetadata) -> None:
         """Before each step's forward: wait for the stores whose blocks this forward may rewrite."""
@@ -279,6 +301,8 @@ class WorkerSide:
         if not self.writes:
             return
         for spec, futures in zip(meta.stores, self._submit("store", meta.stores), strict=True):
+            if self.confirmations is not None:
+                self.confirmations.watch(spec, futures)
             for future in futures or ():
                 future.add_done_callback(functools.partial(_warn_if_failed, spec.req_id))
                 self._stores[spec.req_id].append(future)

@@ -13,25 +13,29 @@ tier (Mooncake). It offers the connector what aiokv's ``ThreadedKVWorker`` does 
   one future per request, done once both are (the engine keeps the blocks until then, the step never
   waits for either);
 - the scheduler's orders (:class:`TierStep`) are applied at the start of each step, before the step's
-  transfers; every admitted chunk is reported written or not (:meth:`TierWorker.report`).
+  transfers; every admitted chunk is reported written or not (:meth:`TierWorker.report`);
+- a store of another kind may take the memory's place (``store``: a disk tier, :mod:`.tier_stores`);
+  what it held at open is reported once (``found``), and a chunk a load found gone (a damaged file the
+  store removed) is reported lost.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
+from ....backends.base import Backend
 from ....backends.memory import MemoryBackend
 from ....keys import HashedPrompt, KeyNamespace
 from ....layout import KVLayout
 from ....results import LoadResult, StoreResult
 from ....threaded import ThreadedKVWorker
 from ..common.chained_futures import copy_outcome
-from ..common.connector_config import ConnectorConfig, tier_capacity_per_rank
 from ..common.stats_reporter import TIER_COUNTERS
 from ..common.wire import TierReport, TierStep
 from .chunk_movers import ChunkRequest
@@ -84,7 +88,9 @@ def _chunks(prompt: HashedPrompt, blocks: Sequence[int], picked: Sequence[int]) 
 
 class TierWorker:
     """One rank's host tier, in front of ``behind`` (an aiokv worker over the store behind), if any.
-    ``behind_writes``: whether this rank writes to the store behind (MLA: rank 0 only)."""
+    ``behind_writes``: whether this rank writes to the store behind (MLA: rank 0 only). ``store``: the
+    tier's store (default: a ``MemoryBackend`` of ``capacity_bytes``), closed with the tier; ``found``:
+    what it held for this engine at open (digest -> value bytes), reported once."""
 
     def __init__(
         self,
@@ -96,9 +102,11 @@ class TierWorker:
         *,
         behind: ThreadedKVWorker | None = None,
         behind_writes: bool = True,
+        store: Backend | None = None,
+        found: dict[str, int] | None = None,
     ) -> None:
         self.rank = rank
-        self.store = MemoryBackend(capacity_bytes)
+        self.store: Any = store if store is not None else MemoryBackend(capacity_bytes)
         self.local = ThreadedKVWorker(
             layout, self.store, namespace=namespace, chunk_tokens=chunk_tokens, executor_threads=1
         )
@@ -109,6 +117,8 @@ class TierWorker:
         self._admits: set[str] = set()
         self._stored: set[str] = set()
         self._failed: set[str] = set()
+        self._lost: set[str] = set()
+        self._found = found
         self.counters: Counter[str] = Counter()
 
     def _keys(self, hashes: Iterable[str]) -> list[str]:
@@ -127,13 +137,23 @@ class TierWorker:
             self.counters["evictions"] += sum(1 for code in codes if code == 0)
 
     def report(self) -> TierReport | None:
-        """Admitted chunks written or not since the last report (None if none)."""
+        """Admitted chunks written or not, and chunks lost, since the last report; the first one also
+        carries what the store held at open unless :meth:`take_found` took it (None if nothing)."""
+        found = self.take_found()
         with self._lock:
-            if not self._stored and not self._failed:
+            if not self._stored and not self._failed and not self._lost and found is None:
                 return None
-            report = TierReport({self.rank: self._stored}, {self.rank: self._failed})
-            self._stored, self._failed = set(), set()
-        return report
+            report = TierReport(
+                {self.rank: self._stored}, {self.rank: self._failed}, lost={self.rank: self._lost}
+            )
+            self._stored, self._failed, self._lost = set(), set(), set()
+        return report.merge(found) if found is not None else report
+
+    def take_found(self) -> TierReport | None:
+        """What the store held at open, the first time only (None after, or without a listing)."""
+        with self._lock:
+            found, self._found = self._found, None
+        return None if found is None else TierReport(found={self.rank: found})
 
     def _take_admitted(self, hashes: Sequence[str]) -> list[int]:
         with self._lock:
@@ -197,7 +217,7 @@ class TierWorker:
     ) -> list[concurrent.futures.Future[LoadResult]]:
         requests = list(requests)
         if self.behind is None:  # everything is read from the tier (a chunk it lacks fails the load)
-            return self._submit(self.local.load_many, requests, timeout)
+            return self._noting_lost(requests, self._submit(self.local.load_many, requests, timeout))
         from_tier: list[tuple[int, ChunkRequest]] = []
         from_behind: list[tuple[int, ChunkRequest]] = []
         for n, (prompt, blocks) in enumerate(requests):
@@ -207,6 +227,7 @@ class TierWorker:
             if not all(held):
                 from_behind.append((n, _chunks(prompt, blocks[0], [i for i, h in enumerate(held) if not h])))
         local = self._submit_parts(self.local.load_many, from_tier, timeout)
+        self._noting_lost([request for _, request in from_tier], list(local.values()))
         remote = self._submit_parts(self.behind.load_many, from_behind, timeout)
         for n, (sub_prompt, sub_blocks) in from_behind:
             remote[n] = self._promoted(sub_prompt, sub_blocks[0], remote[n], timeout)
@@ -261,6 +282,26 @@ class TierWorker:
 
         loaded.add_done_callback(promote)
         return outer
+
+    def _noting_lost(
+        self, requests: list[ChunkRequest], futures: list[concurrent.futures.Future[LoadResult]]
+    ) -> list[concurrent.futures.Future[LoadResult]]:
+        """``futures``, each watched: when its load from the tier fails, the chunks the store no longer
+        holds (a damaged file is removed as it is read) are reported lost, so no later lookup hits them."""
+
+        def check(prompt: HashedPrompt, done: concurrent.futures.Future[LoadResult]) -> None:
+            if not done.cancelled() and done.exception() is None and done.result().ok:
+                return
+            try:
+                held = self.store.batch_exists(self._keys(prompt.hashes))
+            except Exception:  # the tier is closing: nothing is reported any more
+                return
+            with self._lock:
+                self._lost.update(d for d, h in zip(prompt.hashes, held, strict=True) if not h)
+
+        for (prompt, _), future in zip(requests, futures, strict=True):
+            future.add_done_callback(functools.partial(check, prompt))
+        return futures
 
     def _submit_parts(
         self, method: Callable[..., list[Any]], parts: list[tuple[int, ChunkRequest]], timeout: float | None
@@ -333,29 +374,3 @@ def _merged_load(
         return LoadResult(chunks * chunk_tokens, (tuple(failed),), chunks)
 
     return finish
-
-
-def open_tier_worker(
-    layout: KVLayout,
-    namespace: KeyNamespace,
-    chunk_tokens: int,
-    config: ConnectorConfig,
-    *,
-    behind: ThreadedKVWorker | None,
-    behind_writes: bool,
-) -> TierWorker:
-    """The host tier of a single-group engine's worker, for this process's TP and PP ranks, in front of
-    ``behind`` (the store's worker, if any; ``behind_writes``: whether this rank writes to it)."""
-    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-
-    tp, pp = get_tp_group(), get_pp_group()
-    ranks = int(tp.world_size) * int(pp.world_size)
-    return TierWorker(
-        layout,
-        namespace,
-        chunk_tokens,
-        tier_capacity_per_rank(config, ranks),
-        int(tp.rank_in_group) + int(tp.world_size) * int(pp.rank_in_group),
-        behind=behind,
-        behind_writes=behind_writes,
-    )
