@@ -89,7 +89,6 @@ class ConnectorConfig:
     lookup_timeout_s: float = 5.0
     lookup_wait_s: float = 0.02
     idle_wait_s: float = 0.002
-    gil_switch_interval_s: float | None = None
     load_timeout_s: float = 30.0
     store_timeout_s: float = 60.0
     setup_retries: int = 2
@@ -190,11 +189,6 @@ class ConnectorConfig:
             lookup_timeout_s=float(_positive(extra, "lookup_timeout_s", 5.0)),
             lookup_wait_s=float(_positive(extra, "lookup_wait_s", 0.02)),
             idle_wait_s=float(_non_negative(extra, "idle_wait_s", 0.002)),
-            gil_switch_interval_s=(
-                None
-                if extra.get("gil_switch_interval_s") is None
-                else float(_positive(extra, "gil_switch_interval_s", 0.005))
-            ),
             load_timeout_s=float(_positive(extra, "load_timeout_s", 30.0)),
             store_timeout_s=float(_positive(extra, "store_timeout_s", 60.0)),
             setup_retries=_positive(extra, "setup_retries", 2, integer=True),

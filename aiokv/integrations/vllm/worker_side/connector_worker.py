@@ -16,7 +16,6 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
-import sys
 import threading
 import time
 from collections import Counter, defaultdict
@@ -103,8 +102,6 @@ class WorkerSide:
 
         self.config = config
         self.geometry = geometry
-        if config.gil_switch_interval_s is not None:
-            sys.setswitchinterval(config.gil_switch_interval_s)
         self.vllm_config = vllm_config
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.tp_rank = int(get_tensor_model_parallel_rank())
