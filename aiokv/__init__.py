@@ -11,6 +11,7 @@ The Mooncake names (``MooncakeBackend``, ``MooncakeConfig``, ``MooncakeMaster``,
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from typing import TYPE_CHECKING, Any
 
 from ._lifecycle import WorkerState
@@ -55,7 +56,10 @@ if TYPE_CHECKING:
     from .backends.mooncake_config import MooncakeConfig, parse_size
     from .backends.mooncake_master import MooncakeMaster, segment_holder
 
-__version__ = "0.1.0"
+try:  # one version, pyproject.toml's, as installed
+    __version__ = importlib.metadata.version("aiokv")
+except importlib.metadata.PackageNotFoundError:  # a source tree not installed
+    __version__ = "0+unknown"
 
 # name -> the module that defines it, imported on first use.
 _LAZY = {

@@ -71,6 +71,7 @@ class Config:
     fresh_loader: bool = True
     needs_store: bool = True  # a Mooncake store (a master and a holder) for its connector
     disk: bool = False  # a disk tier in a directory of the run: the loading server restarts on it
+    kv_events: bool = False  # vLLM's KV events published (over ZeroMQ, to no subscriber)
     prefix_caching: bool = False  # vLLM's own prefix cache on (every other configuration runs it off)
 
 
@@ -102,6 +103,8 @@ CONFIGS: dict[str, Config] = {
         lambda store, extra: kv_transfer_config("aiokv", store, {**extra, "verify_values": False})
     ),
     "embedded": Config(_aiokv_tier("memory"), fresh_loader=False),
+    # aiokv with vLLM's KV events on: what publishing its tiers' events costs (against aiokv).
+    "aiokv-events": Config(lambda store, extra: kv_transfer_config("aiokv", store, extra), kv_events=True),
     # The disk tier: a fresh server on the storing server's directory (a restart) loads from it.
     "disk": Config(_aiokv_tier("disk"), needs_store=False, disk=True),
     "tiered": Config(_aiokv_tier("tiered"), fresh_loader=False),
@@ -304,10 +307,14 @@ def run_config(
         events = {
             role: Path(tempfile.mkdtemp(prefix=f"{name}.{role}.", dir=workdir)) for role in ("store", "load")
         }
-        server_args = SERVER_ARGS
+        server_args: tuple[str, ...] = SERVER_ARGS
+        if config.kv_events:
+            endpoint = f"ipc://{workdir / f'{name}.events.ipc'}"
+            publisher = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+            server_args = (*server_args, "--kv-events-config", json.dumps(publisher))
         if config.prefix_caching:
             server_args = (
-                *(a for a in SERVER_ARGS if a != "--no-enable-prefix-caching"),
+                *(a for a in server_args if a != "--no-enable-prefix-caching"),
                 "--enable-prefix-caching",
             )
 
@@ -469,6 +476,7 @@ def ratios(figures_by_name: dict[str, dict[str, Any]]) -> dict[str, dict[str, fl
             ("tiered", "aiokv"),
             ("embedded", "aiokv"),
             ("disk", "aiokv"),
+            ("aiokv-events", "aiokv"),
             ("disk", "embedded"),
         )
     ]
