@@ -4,7 +4,8 @@ A group is ``R`` cache regions (typically layer x K/V), each ``num_blocks`` bloc
 bytes holding ``block_size`` tokens, ``block_stride`` bytes apart. The value of a chunk in the store
 is, region by region, the bytes of the chunk's blocks in token order; :meth:`KVLayout.regions_for_chunks`
 gives its (address, size) pairs for many chunks at once, merging pieces adjacent in memory
-(:mod:`aiokv.coalesce`). :meth:`KVLayout.from_tensors` (:mod:`aiokv.tensors`) reads a layout from tensors.
+(:mod:`aiokv.coalesce`); token ranges are checked by :mod:`aiokv.chunk_ranges`.
+:meth:`KVLayout.from_tensors` (:mod:`aiokv.tensors`) reads a layout from tensors.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import numpy as np
 
 from ._arrays import IntArray, IntArrayLike, NonIntegerError, as_int64_array, as_positive_int
+from .chunk_ranges import check_chunks
 from .coalesce import RunPlan
 from .errors import InvalidRequestError
 from .tensors import describe_tensors
@@ -252,7 +254,7 @@ class KVLayout:
             )
         ids = as_int64_array(block_ids, "block_ids", ndim=1)
         starts = spans_array[:, 0]
-        nblocks, first_bids = self._check_chunks(starts, spans_array[:, 1], ids)
+        nblocks, first_bids = check_chunks(starts, spans_array[:, 1], ids, self.block_size, self.num_blocks)
         gapped = self._region_strides != self._region_block_lens
         if gapped.any() and (nblocks > 1).any():
             k = int(np.flatnonzero(nblocks > 1)[0])
@@ -342,51 +344,6 @@ class KVLayout:
             plan = RunPlan.build(self._base, self._region_block_lens, self._region_strides, per_chunk)
             self._plans[per_chunk] = plan
         return plan
-
-    def _check_chunks(
-        self, starts: IntArray, ends: IntArray, block_ids: IntArray
-    ) -> tuple[IntArray, IntArray]:
-        """Validate chunk ranges; return (blocks per chunk, first physical block id per chunk)."""
-        bs = self.block_size
-        spans = ends - starts
-        # ``ends <= starts``, not ``spans <= 0``: for a negative end the difference can wrap around.
-        bad = (starts < 0) | (ends <= starts) | (spans % bs != 0) | (starts % bs != 0)
-        first_index = starts // bs
-        bad |= first_index >= block_ids.size
-        if bad.any():
-            self._raise_first_bad(starts, ends, block_ids)
-        nblocks = spans // bs
-        first_bids = block_ids[first_index]
-        outside = (first_bids < 0) | (first_bids > self.num_blocks - nblocks)
-        if outside.any():
-            self._raise_first_bad(starts, ends, block_ids)
-        return nblocks, first_bids
-
-    def _raise_first_bad(self, starts: IntArray, ends: IntArray, block_ids: IntArray) -> NoReturn:
-        """Raise for the first chunk failing any check, whichever check it fails (error path only, so
-        a plain loop over Python ints: exact, no wraparound)."""
-        bs, num_blocks, table_len = self.block_size, self.num_blocks, block_ids.size
-        for k, (start, end) in enumerate(zip(starts.tolist(), ends.tolist(), strict=True)):
-            span = end - start
-            if start < 0:
-                problem = "start is negative"
-            elif span <= 0 or span % bs:
-                problem = f"span {span} is not a positive multiple of block_size {bs}"
-            elif start % bs:
-                problem = f"start is not aligned to block_size {bs}"
-            elif start // bs >= table_len:
-                problem = f"block index {start // bs} is past the end of block_ids (length {table_len})"
-            else:
-                bid = int(block_ids[start // bs])
-                if bid >= 0 and bid + span // bs <= num_blocks:
-                    continue
-                problem = (
-                    f"physical blocks [{bid}, {bid + span // bs}) fall outside the cache's "
-                    f"{num_blocks} blocks"
-                )
-            raise InvalidRequestError(f"chunk {k} ({start}, {end}): {problem}")
-        # Not reached: the vectorised checks above only call here when some chunk is bad.
-        raise InvalidRequestError("chunks failed validation")
 
 
 def _fingerprint(block_size: int, region_block_lens: IntArray, dtype: str) -> str:

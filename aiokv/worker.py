@@ -1,41 +1,36 @@
 """``KVWorker``: the user-facing worker. Public API, lifecycle, and the wiring of its engine.
 
-Arguments are checked in :mod:`aiokv._validate`; requests are tracked by
-:class:`~aiokv._engine.tracker.RequestTracker`, batched by :class:`~aiokv._engine.dispatcher.Dispatcher`
-and run by :class:`~aiokv._engine.pipeline.BatchPipeline` on the threads of
-:class:`~aiokv._engine.lanes.Lanes`.
+Arguments are checked in :mod:`aiokv._validate` and calls made requests in :mod:`aiokv._intake`;
+requests are tracked by :class:`~aiokv._engine.tracker.RequestTracker`, batched by
+:class:`~aiokv._engine.dispatcher.Dispatcher` and run by :class:`~aiokv._engine.pipeline.BatchPipeline`
+on the threads of :class:`~aiokv._engine.lanes.Lanes`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import itertools
 import logging
-import time
 from collections.abc import Sequence
 from typing import Any
 
-from ._arrays import as_positive_int, as_timeout
+from ._arrays import as_positive_int
 from ._engine.config import EngineConfig
 from ._engine.dispatcher import Dispatcher
 from ._engine.guard import BreakerGuard
-from ._engine.hashing import hash_prompts
 from ._engine.lanes import Lane, Lanes
 from ._engine.pipeline import BatchPipeline
-from ._engine.request import Request
 from ._engine.tracker import RequestTracker
-from ._lifecycle import NEXT_STATES, WorkerState, calling_loop, to_the_end
+from ._intake import Intake
+from ._lifecycle import NEXT_STATES, WorkerState, to_the_end
 from ._registration import Registration
 from ._validate import (
     BlockIds,
     check_backoff,
-    check_block_ids,
     check_chunk_tokens,
     check_instance,
     check_layouts,
     check_layouts_reachable,
-    check_tokens,
 )
 from .backends.base import Backend, backend_traits, check_backend
 from .breaker import BreakerConfig, CircuitBreaker
@@ -139,7 +134,7 @@ class KVWorker:
         self._leases = lease_ledger(
             lease_budget, traits.read_lease_s, checked_layouts, self._config.blocks_per_chunk
         )
-        self._ids = itertools.count(1)
+        self._intake = Intake(self._config, self._tracker, self._guard, self._leases)
         self._state = WorkerState.NEW
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lanes: Lanes | None = None
@@ -297,7 +292,7 @@ class KVWorker:
         Returns at once. The blocks must stay allocated and unchanged until the future is done.
         Bad arguments raise ``InvalidRequestError``/``TypeError`` here; bad token values fail the future.
         """
-        return self._submit(Kind.STORE, tokens, block_ids, timeout)
+        return self._intake.transfer(Kind.STORE, tokens, block_ids, timeout, *self._serving())
 
     def load(
         self, tokens: TokenIds | HashedPrompt, block_ids: BlockIds, *, timeout: float | None = None
@@ -306,61 +301,20 @@ class KVWorker:
 
         Returns at once. The blocks must not be read or reused until the future is done.
         """
-        return self._submit(Kind.LOAD, tokens, block_ids, timeout)
+        return self._intake.transfer(Kind.LOAD, tokens, block_ids, timeout, *self._serving())
 
     async def lookup(self, tokens: TokenIds | HashedPrompt) -> int:
         """Leading tokens whose chunks are present in every group (a hole ends the prefix). With a
         leasing backend, past ``lease_budget`` a lookup asks about (and answers) fewer chunks."""
-        request = self._new_request(Kind.LOOKUP, tokens, None, None)
-        leases, claim = self._leases, None
-        refused = bool(request.num_chunks) and self._guard is not None and not self._guard.allow(Kind.LOOKUP)
-        if request.num_chunks and not refused and leases is not None:
-            if request.hashes is None:  # the ledger counts chunks by digest: a repeat then costs nothing
-                await self._hash_lookup(request)
-            if not request.finished:
-                claim = leases.ask(request, self._config.chunk_tokens)
-        if refused:
-            self._tracker.refuse(request)
-        elif request.finished:  # a bad token value failed it while hashing: its future says why
-            pass
-        elif request.num_chunks == 0:  # empty, or the lease budget is spent: nothing asked, nothing leased
-            self._tracker.finish_lookup(request, 0)
-        else:
-            try:
-                self._running_dispatcher().submit_lookup(request)
-            except BaseException:  # closed while it was hashed: nothing asked, nothing leased
-                if leases is not None and claim is not None:
-                    leases.settle(claim, 0)
-                request.cancel()
-                raise
-        if leases is None or claim is None or not claim.granted:
-            return await request.future
-        return await leases.held_until(request, claim, self._config.chunk_tokens)
+        return await self._intake.lookup(tokens, *self._serving())
 
     def lookup_loaded(self, tokens: TokenIds | HashedPrompt) -> None:
         """Tell the lease budget that another worker loads the chunks of ``tokens`` this worker's
         lookups found (this worker's own loads tell it themselves): a load leases what it reads, so
         they stop counting against ``lease_budget`` (see :mod:`aiokv.leases`). Token ids are hashed
         here, on the loop: pass a :class:`~aiokv.keys.HashedPrompt` for a long prompt."""
-        leases = self._leases
-        if leases is None or self._state is not WorkerState.RUNNING:
-            return
-        self._calling_loop()
-        chunk_tokens = self._config.chunk_tokens
-        hashes, token_ids, _ = check_tokens(tokens, chunk_tokens)
-        if hashes is None and token_ids is not None:
-            hashes = HashedPrompt.from_tokens(token_ids, chunk_tokens).hashes
-        leases.loaded(hashes or ())
-
-    async def _hash_lookup(self, request: Request) -> None:
-        """A lookup's digests before the lease ledger counts it, hashed in slices as a batch would
-        (the batch then skips it); a caller's cancellation cancels the request."""
-        config = self._config
-        try:
-            await hash_prompts([request], config.chunk_tokens, config.seed, self._tracker)
-        except BaseException:
-            request.cancel()
-            raise
+        if self._state is WorkerState.RUNNING:
+            self._intake.loaded(tokens, self._running_loop())
 
     def stats(self) -> dict[str, Any]:
         """Counters since start and recent latency summaries (see :class:`aiokv.stats.WorkerStats`);
@@ -372,53 +326,15 @@ class KVWorker:
         snapshot[StatName.LEASES.value] = self._leases.snapshot() if self._leases is not None else None
         return snapshot
 
-    def _submit(
-        self, kind: Kind, tokens: TokenIds | HashedPrompt, block_ids: BlockIds, timeout: float | None
-    ) -> TransferFuture[Any]:
-        request = self._new_request(kind, tokens, block_ids, timeout)
-        if request.num_chunks == 0:
-            self._tracker.finish_empty(request, self._config.groups)
-        elif self._guard is not None and not self._guard.allow(kind):
-            self._tracker.refuse(request)
-        else:
-            self._running_dispatcher().submit(request)
-        return request.future
-
-    def _new_request(
-        self,
-        kind: Kind,
-        tokens: TokenIds | HashedPrompt,
-        block_ids: BlockIds | None,
-        timeout: float | None,
-    ) -> Request:
+    def _serving(self) -> tuple[asyncio.AbstractEventLoop, Dispatcher]:
+        """The loop and the dispatcher of a running worker; ``WorkerClosedError`` otherwise."""
         if self._state is not WorkerState.RUNNING:
             raise WorkerClosedError(
                 "the worker is not started (use `async with KVWorker(...)`)"
                 if self._state is WorkerState.NEW
                 else "the worker is closed"
             )
-        config = self._config
-        hashes, token_ids, num_chunks = check_tokens(tokens, config.chunk_tokens)
-        blocks = (
-            check_block_ids(block_ids, num_chunks, config.layouts, config.blocks_per_chunk)
-            if kind is not Kind.LOOKUP
-            else []
-        )
-        deadline_s = as_timeout(timeout)
-        loop = self._calling_loop()
-        request = Request(
-            id=next(self._ids),
-            kind=kind,
-            num_chunks=num_chunks,
-            tracker=self._tracker,
-            submitted=time.perf_counter(),
-            tokens=token_ids,
-            hashes=hashes,
-            blocks=tuple(blocks),
-        )
-        request.future = TransferFuture(loop, request.id, kind.value, request)
-        self._tracker.track(request, loop, deadline_s)
-        return request
+        return self._running_loop(), self._running_dispatcher()
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -433,9 +349,6 @@ class KVWorker:
         if self._loop is None:
             raise WorkerClosedError("the worker is not started")
         return self._loop
-
-    def _calling_loop(self) -> asyncio.AbstractEventLoop:
-        return calling_loop(self._running_loop())
 
     def _running_dispatcher(self) -> Dispatcher:
         if self._dispatcher is None:

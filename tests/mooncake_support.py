@@ -35,10 +35,10 @@ def network_interfaces() -> set[str]:
 @functools.cache
 def mooncake_unavailable_reason() -> str | None:
     """Why the Mooncake tests cannot run here, or None when they can."""
-    from aiokv.backends.mooncake import _import_store  # its ImportError says what to install
+    from aiokv.backends.mooncake_binding import import_store  # its ImportError says what to install
 
     try:
-        _import_store()
+        import_store()
         find_master_executable()
     except (ImportError, FileNotFoundError) as exc:
         return f"Mooncake is not usable here: {exc}"

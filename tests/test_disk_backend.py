@@ -27,11 +27,11 @@ import pytest
 
 import aiokv
 from aiokv import Backend, BackendError, Code, InvalidRequestError, KVWorker, VerifiedBackend, backend_traits
-from aiokv.backends import disk as disk_module
-from aiokv.backends import disk_io
+from aiokv.backends import disk_io, disk_transfer
 from aiokv.backends.disk import DiskBackend
 from aiokv.backends.disk_format import ALIGN, TEMP_DIR, VERSION, file_bytes, key_digest
 from aiokv.backends.disk_io import probe_direct
+from aiokv.backends.disk_transfer import DiskTransfer
 from aiokv.testing import SENTINEL, PagedCache, same_blocks
 
 from .helpers import TWO_GROUP_SPECS, TWO_GROUPS_CHUNK_TOKENS, prompt
@@ -186,7 +186,7 @@ def test_round_trip_every_byte(backend: DiskBackend, store_dir: Path, aligned: b
 
 def test_values_larger_than_the_staging_buffer(store_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A value moves through the staging buffer in several pieces (a region split across two of them).
-    monkeypatch.setattr(disk_module, "STAGE_BYTES", 3 * ALIGN)
+    monkeypatch.setattr(disk_transfer, "STAGE_BYTES", 3 * ALIGN)
     with DiskBackend(store_dir, 1 << 20) as backend:
         values = Values(backend, 3)
         assert values.put() == [OK] * 3
@@ -267,7 +267,7 @@ def test_a_read_error_answers_transfer_failed_and_keeps_the_file(
 ) -> None:
     values = Values(backend, 2)
     assert values.put() == [OK, OK]
-    real_read = disk_module.read_all
+    real_read = disk_transfer.read_all
     failing = {"on": True}
 
     def read_all(fd: int, views: Any, offset: int) -> int:
@@ -275,7 +275,7 @@ def test_a_read_error_answers_transfer_failed_and_keeps_the_file(
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return real_read(fd, views, offset)
 
-    monkeypatch.setattr(disk_module, "read_all", read_all)
+    monkeypatch.setattr(disk_transfer, "read_all", read_all)
     assert values.get() == [TRANSFER_FAILED, TRANSFER_FAILED]
     assert backend.stats()["get_errors"] == 2 and len(backend) == 2
     failing["on"] = False  # the worker's rewrite path removes such keys; a read that works loads them
@@ -287,15 +287,15 @@ def test_an_exception_while_writing_releases_its_reservation(
 ) -> None:
     values = Values(backend, 3)
     assert values.put([0]) == [OK]
-    real_write = disk_module.write_all
+    real_write = disk_transfer.write_all
 
     def interrupted(fd: int, views: Any, offset: int) -> int:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(disk_module, "write_all", interrupted)
+    monkeypatch.setattr(disk_transfer, "write_all", interrupted)
     with pytest.raises(KeyboardInterrupt):
         values.put([1, 2])
-    monkeypatch.setattr(disk_module, "write_all", real_write)
+    monkeypatch.setattr(disk_transfer, "write_all", real_write)
     assert backend.used_bytes == FILE == disk_bytes(store_dir)
     assert not list((store_dir / TEMP_DIR).iterdir())
     assert backend.batch_exists(values.keys) == [True, False, False]
@@ -629,7 +629,7 @@ def test_a_full_file_system_answers_no_space_and_loses_nothing(
 ) -> None:
     values = Values(backend, 4)
     assert values.put([0]) == [OK]
-    real_write = disk_module.write_all
+    real_write = disk_transfer.write_all
     full = {"key-01", "key-03"}  # the file system is full while these are written
     writing: list[str] = []
 
@@ -644,7 +644,7 @@ def test_a_full_file_system_answers_no_space_and_loses_nothing(
         writing.append(write.key)
         return real_put_one(self, write, *args)
 
-    monkeypatch.setattr(disk_module, "write_all", write_all)
+    monkeypatch.setattr(disk_transfer, "write_all", write_all)
     monkeypatch.setattr(DiskBackend, "_put_one", put_one)
     with caplog.at_level(logging.WARNING, logger="aiokv"):
         assert values.put([1, 2, 3]) == [NO_SPACE, OK, NO_SPACE]
@@ -664,14 +664,14 @@ class BlockedRead:
         self.reading = threading.Event()
         self.release = threading.Event()
         for name in ("_read_in_place", "_read_staged"):
-            monkeypatch.setattr(DiskBackend, name, self._wrap(getattr(DiskBackend, name)))
+            monkeypatch.setattr(DiskTransfer, name, self._wrap(getattr(DiskTransfer, name)))
 
     def _wrap(self, read: Callable[..., bool]) -> Callable[..., bool]:
-        def blocked(backend: DiskBackend, *args: Any) -> bool:
+        def blocked(transfer: DiskTransfer, *args: Any) -> bool:
             if not self.reading.is_set():
                 self.reading.set()
                 assert self.release.wait(WAIT_S)
-            return read(backend, *args)
+            return read(transfer, *args)
 
         return blocked
 

@@ -21,7 +21,8 @@ import numpy as np
 import pytest
 
 from aiokv import Code
-from aiokv.backends.mooncake import MooncakeBackend, MooncakeConfig, _import_hint, parse_size
+from aiokv.backends.mooncake import MooncakeBackend, MooncakeConfig, parse_size
+from aiokv.backends.mooncake_binding import import_hint
 from aiokv.backends.mooncake_calls import CallForm, call_form, prove
 from aiokv.backends.mooncake_master import MooncakeMaster, free_ports, segment_holder
 from aiokv.errors import BackendError, BackendUnavailableError, InvalidRequestError
@@ -74,7 +75,7 @@ def test_missing_mooncake_package_says_what_to_install() -> None:
 
 def test_missing_libibverbs_says_what_to_install() -> None:
     error = ImportError("libibverbs.so.1: cannot open shared object file: No such file or directory")
-    assert "apt-get install libibverbs1" in _import_hint(error)
+    assert "apt-get install libibverbs1" in import_hint(error)
 
 
 # -- configuration ------------------------------------------------------------------------------

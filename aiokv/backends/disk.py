@@ -6,18 +6,9 @@ headers alone, and a value whose file was cut short or whose bytes changed is ne
 loaded: the get answers ``VERIFY_FAILED`` (-13) for that key and removes the file, so the next store
 of the chunk writes it again.
 
-I/O: ``os.pwritev``/``os.preadv`` (the GIL is released while the disk works), with ``O_DIRECT`` where
-the file system takes it (probed when the directory is opened; otherwise buffered I/O, logged once).
-``O_DIRECT`` moves data between the disk and page-aligned memory only:
-
-- regions that are page-aligned (a KV cache's blocks usually are) move straight between the file and
-  the caller's memory, only a value's last partial block goes through an aligned block of this
-  backend's;
-- other regions move through an aligned staging buffer of up to 8 MiB per calling thread (copied,
-  then written; read, then copied). Measured, a direct read followed by our copy was faster than a
-  buffered ``preadv`` straight into the regions and took a fraction of its CPU time (the page
-  cache's path costs more than one copy), and it leaves the page cache to the engine;
-- without ``O_DIRECT`` every read and write goes straight between the file and the regions.
+I/O (:mod:`aiokv.backends.disk_transfer`): ``os.pwritev``/``os.preadv``, which release the GIL while
+the disk works, with ``O_DIRECT`` where the file system takes it (probed when the directory is
+opened; otherwise buffered I/O, logged once).
 
 Writes go to a temporary file renamed into place, so a value is whole under its final name.
 ``fsync=False`` (the default) leaves the file and the rename in the page cache: a crashed process
@@ -38,108 +29,37 @@ One ``DiskBackend`` at a time per directory: a second one, in this process or an
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import NamedTuple
 
-import numpy as np
-import numpy.typing as npt
-import xxhash
-
-from .._arrays import BoolArray
 from ..codes import Code
 from ..errors import BackendError
-from ._regions import Regions, RegionTable, RegisteredMemory, check_keys
+from ._regions import Regions, RegionTable, check_keys
 from .base import ClosingContext
-from .disk_format import (
-    ALIGN,
-    TEMP_DIR,
-    TEMP_SUFFIX,
-    Header,
-    aligned,
-    data_offset,
-    encode_key,
-    file_bytes,
-    file_name,
-    pack_header,
-    parse_header,
-)
+from .disk_format import TEMP_DIR, TEMP_SUFFIX, encode_key, file_name
+from .disk_index import DAMAGED, FAILED, MISSING, READ, DiskIndex, Entry, Read, Write
 from .disk_io import (
     FULL_ERRNOS,
     O_DIRECT,
-    STAGE_BYTES,
-    Scratch,
     choose_direct,
     fsync_directory,
     make_subdirectories,
     open_directory,
-    read_all,
     unlink_quietly,
-    write_all,
 )
-from .disk_scan import scan
+from .disk_transfer import DiskTransfer, MappedSpace, Pieces, value_pieces
 
 logger = logging.getLogger(__name__)
 
 OK, NO_SPACE, INVALID = int(Code.OK), int(Code.NO_SPACE), int(Code.INVALID)
-NOT_FOUND, TRANSFER_FAILED, VERIFY_FAILED = (
-    int(Code.NOT_FOUND),
-    int(Code.TRANSFER_FAILED),
-    int(Code.VERIFY_FAILED),
-)
+NOT_FOUND, TRANSFER_FAILED = int(Code.NOT_FOUND), int(Code.TRANSFER_FAILED)
+VERIFY_FAILED = int(Code.VERIFY_FAILED)
 
 DEFAULT_CAPACITY_BYTES = 64 << 30
-_ZEROS = memoryview(bytes(ALIGN))
-# Per key of a get: read and verified, the file gone (removed behind this backend's back), the file
-# damaged (cut short, a bad header or checksum), or an I/O error (the file is kept).
-_READ, _MISSING, _DAMAGED, _FAILED = "read", "missing", "damaged", "failed"
-_READ_CODES = {_MISSING: NOT_FOUND, _DAMAGED: VERIFY_FAILED, _FAILED: TRANSFER_FAILED}
-
-Pieces = list[tuple[int, int]]  # a value's regions as (offset in the mapped space, size), merged
-Space = tuple[int, memoryview, npt.NDArray[np.uint8]]  # first registered address, views up to the end
-
-STAT_NAMES = (
-    "hits",
-    "misses",
-    "bytes_read",
-    "bytes_written",
-    "puts",
-    "evictions",
-    "evicted_bytes",
-    "corrupt_dropped",
-    "missing_dropped",
-    "temp_files_dropped",
-    "put_no_space",
-    "put_errors",
-    "get_errors",
-)
-
-
-class _Entry:
-    """A value in the index. ``pins``: gets reading it now; ``removed``: out of the index, its file
-    deleted when the last of them is done."""
-
-    __slots__ = ("name", "value_bytes", "file_bytes", "pins", "removed")
-
-    def __init__(self, name: str, value_bytes: int, size: int) -> None:
-        self.name = name
-        self.value_bytes = value_bytes
-        self.file_bytes = size
-        self.pins = 0
-        self.removed = False
-
-
-class _Write(NamedTuple):
-    row: int
-    key: str
-    encoded: bytes
-    size: int  # the file's bytes, reserved against the capacity
-    generation: int
+_READ_CODES = {MISSING: NOT_FOUND, DAMAGED: VERIFY_FAILED, FAILED: TRANSFER_FAILED}
 
 
 class DiskBackend(ClosingContext):
@@ -181,30 +101,26 @@ class DiskBackend(ClosingContext):
             raise TypeError(f"direct_io must be None or a bool, got {direct_io!r}")
         self.directory = os.path.abspath(os.fspath(directory))
         self.capacity_bytes = capacity_bytes
-        self._high = round(capacity_bytes * high_watermark)
-        self._low = round(capacity_bytes * low_watermark)
         self._fsync = fsync
         self._temp_dir = os.path.join(self.directory, TEMP_DIR)
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)  # close() waits on it for calls in progress
         self._active = 0
-        self._index: collections.OrderedDict[str, _Entry] = collections.OrderedDict()  # oldest use first
-        self._writing: dict[str, int] = {}  # key -> bytes reserved by the put writing it
-        self._used = 0  # files indexed, files removed but still read, and reservations of puts
-        self._pinned_bytes = 0
-        self._writing_bytes = 0
-        self._next_generation = 1
-        self._counts = dict.fromkeys(STAT_NAMES, 0)
+        self._index = DiskIndex(
+            self.directory,
+            capacity_bytes,
+            round(capacity_bytes * high_watermark),
+            round(capacity_bytes * low_watermark),
+        )
         self._logged: set[str] = set()
-        self._memory = RegisteredMemory()
-        self._space: Space | None = None
-        self._scratch = Scratch()
+        self._space = MappedSpace()
         self._closed = False
         self._lock_fd = open_directory(self.directory)
         try:
             make_subdirectories(self.directory, self._temp_dir)
             self._direct = choose_direct(self.directory, self._temp_dir, direct_io)
-            self._rebuild()
+            self._transfer = DiskTransfer(self._space, direct=self._direct, fsync=fsync)
+            self._index.rebuild(direct=self._direct)
         except BaseException:
             os.close(self._lock_fd)
             raise
@@ -213,98 +129,61 @@ class DiskBackend(ClosingContext):
 
     def register_buffer(self, addr: int, size: int) -> None:
         self._check_open()
-        self._memory.add(addr, size)
-        self._map_space()
+        self._space.add(addr, size)
 
     def unregister_buffer(self, addr: int) -> None:
         self._check_open()
-        self._memory.remove(addr)
-        self._map_space()
+        self._space.remove(addr)
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         check_keys(keys)
         with self._lock:
             if self._closed:
                 raise BackendError("DiskBackend is closed")
-            index = self._index
-            found = [key in index for key in keys]
-            for key, hit in zip(keys, found, strict=True):
-                if hit:  # a lookup announces a load: keep what it found
-                    index.move_to_end(key)
-        return found
+            return self._index.touch(keys)
 
     def batch_put(self, keys: Sequence[str], addrs: Regions, sizes: Regions) -> list[int]:
         check_keys(keys)
         table = RegionTable.from_arguments(keys, addrs, sizes)
         with self._call():
-            space, valid = self._proven(table)
+            space, valid = self._space.proven(table)
             totals = table.key_totals().tolist()
             codes = [OK if ok else INVALID for ok in valid.tolist()]
-            writes: list[_Write] = []
             victims: list[str] = []
-            refused = 0  # the size of a file that did not fit, logged once the lock is released
             with self._lock:
-                index, writing = self._index, self._writing
-                for k, key in enumerate(keys):
-                    if codes[k] != OK or key in index or key in writing:
-                        continue  # invalid, or present / being written / a duplicate: the first value wins
-                    encoded = encode_key(key)
-                    size = file_bytes(len(encoded), totals[k])
-                    if not self._reserve(size, victims):
-                        codes[k] = NO_SPACE
-                        self._counts["put_no_space"] += 1
-                        refused = size
-                        continue
-                    writing[key] = size
-                    writes.append(_Write(k, key, encoded, size, self._next_generation))
-                    self._next_generation += 1
-            if refused:
+                writes, refused = self._index.reserve_writes(keys, codes, totals, victims)
+            if refused:  # logged once the lock is released
                 self._log_full(refused)
             self._unlink(victims)  # before writing: the disk holds what the index counts
             done = 0
             try:
                 for write in writes:
                     codes[write.row] = self._put_one(
-                        write, _pieces(table, write.row, space), totals[write.row]
+                        write, value_pieces(table, write.row, space), totals[write.row]
                     )
                     done += 1
             finally:
                 if done < len(writes):  # an exception: the reservations of values never written go
                     with self._lock:
                         for write in writes[done:]:
-                            self._release(write)
+                            self._index.release(write)
         return codes
 
     def batch_get(self, keys: Sequence[str], addrs: Regions, sizes: Regions) -> list[int]:
         check_keys(keys)
         table = RegionTable.from_arguments(keys, addrs, sizes)
         with self._call():
-            space, valid = self._proven(table)
+            space, valid = self._space.proven(table)
             totals = table.key_totals().tolist()
             codes = [INVALID] * len(keys)
-            proven = valid.tolist()
-            reads: list[tuple[int, str, _Entry]] = []
             with self._lock:
-                index = self._index
-                for k, key in enumerate(keys):
-                    if not proven[k]:
-                        continue
-                    entry = index.get(key)
-                    if entry is None:
-                        codes[k] = NOT_FOUND
-                        self._counts["misses"] += 1
-                    elif totals[k] != entry.value_bytes:
-                        codes[k] = INVALID if totals[k] < entry.value_bytes else TRANSFER_FAILED
-                    else:
-                        self._pin(entry)
-                        index.move_to_end(key)
-                        reads.append((k, key, entry))
+                reads = self._index.pin_reads(keys, valid.tolist(), totals, codes)
             outcomes: list[str] = []
             try:
                 for k, key, entry in reads:
-                    outcome = self._get_one(key, entry, _pieces(table, k, space))
+                    outcome = self._get_one(key, entry, value_pieces(table, k, space))
                     outcomes.append(outcome)
-                    codes[k] = entry.value_bytes if outcome == _READ else _READ_CODES[outcome]
+                    codes[k] = entry.value_bytes if outcome == READ else _READ_CODES[outcome]
             finally:
                 self._done_reading(reads, outcomes)
         return codes
@@ -319,9 +198,7 @@ class DiskBackend(ClosingContext):
             while self._active:
                 self._idle.wait()
             self._index.clear()
-            self._writing.clear()
-            self._used = self._pinned_bytes = self._writing_bytes = 0
-            self._space = None
+            self._space.unmap()
         os.close(self._lock_fd)  # releases the flock
 
     # -- extras beyond the protocol -------------------------------------------------------------
@@ -335,18 +212,8 @@ class DiskBackend(ClosingContext):
         """
         check_keys(keys)
         with self._call():
-            codes = []
-            doomed: list[str] = []
             with self._lock:
-                for key in keys:
-                    entry = self._index.pop(key, None)
-                    if entry is None:
-                        codes.append(NOT_FOUND)
-                        continue
-                    codes.append(OK)
-                    path = self._drop(entry)
-                    if path is not None:
-                        doomed.append(path)
+                codes, doomed = self._index.remove(keys)
             self._unlink(doomed)
         return codes
 
@@ -359,23 +226,18 @@ class DiskBackend(ClosingContext):
         ``put_errors`` and ``get_errors`` (other I/O errors); with ``values``, ``used_bytes`` and
         ``capacity_bytes`` now."""
         with self._lock:
-            return {
-                **self._counts,
-                "values": len(self._index),
-                "used_bytes": self._used,
-                "capacity_bytes": self.capacity_bytes,
-            }
+            return self._index.stats()
 
     def listing(self, prefix: str = "") -> list[tuple[str, int]]:
         """The keys held that start with ``prefix``, with their values' bytes, least recently used
         first: after a restart, what the files found at open hold."""
         with self._lock:
-            return [(key, entry.value_bytes) for key, entry in self._index.items() if key.startswith(prefix)]
+            return self._index.listing(prefix)
 
     @property
     def used_bytes(self) -> int:
         """The bytes of every file this backend holds or is writing (headers and padding included)."""
-        return self._used
+        return self._index.used
 
     @property
     def direct_io(self) -> bool:
@@ -387,21 +249,21 @@ class DiskBackend(ClosingContext):
         return self._closed
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self._index.entries)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else "open"
         return f"DiskBackend({self.directory!r}, capacity_bytes={self.capacity_bytes}, {state})"
 
-    # -- writing ---------------------------------------------------------------------------------
+    # -- one value -------------------------------------------------------------------------------
 
-    def _put_one(self, write: _Write, pieces: Pieces, value_bytes: int) -> int:
+    def _put_one(self, write: Write, pieces: Pieces, value_bytes: int) -> int:
         """Write one value and publish it; its code (the reservation is released on failure)."""
         name = file_name(write.encoded, write.generation)
         temp = os.path.join(self._temp_dir, f"{write.generation:016x}{TEMP_SUFFIX}")
         path = os.path.join(self.directory, name)
         try:
-            self._write_file(temp, write.encoded, pieces, value_bytes)
+            self._transfer.write(temp, write.encoded, pieces, value_bytes)
             os.rename(temp, path)
             if self._fsync:
                 fsync_directory(os.path.dirname(path))
@@ -412,9 +274,9 @@ class DiskBackend(ClosingContext):
             if not isinstance(exc, OSError):
                 raise
             with self._lock:
-                self._release(write)
+                self._index.release(write)
                 full = exc.errno in FULL_ERRNOS
-                self._counts["put_no_space" if full else "put_errors"] += 1
+                self._index.counts["put_no_space" if full else "put_errors"] += 1
             self._log_once(
                 f"put-{exc.errno}",
                 "aiokv: DiskBackend %s: writing a value failed (%s); such puts answer %s",
@@ -424,83 +286,20 @@ class DiskBackend(ClosingContext):
             )
             return NO_SPACE if full else TRANSFER_FAILED
         with self._lock:
-            del self._writing[write.key]
-            self._writing_bytes -= write.size
-            self._index[write.key] = _Entry(name, value_bytes, write.size)
-            self._counts["puts"] += 1
-            self._counts["bytes_written"] += value_bytes
+            self._index.published(write, name, value_bytes)
         return OK
 
-    def _write_file(self, temp: str, key: bytes, pieces: Pieces, value_bytes: int) -> None:
-        direct = self._direct
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | (O_DIRECT if direct else 0)
-        fd = os.open(temp, flags, 0o644)
-        try:
-            if direct and not self._aligned(pieces):
-                self._write_staged(fd, key, pieces, value_bytes)
-            else:
-                self._write_in_place(fd, key, pieces, value_bytes, direct)
-            if self._fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def _write_in_place(self, fd: int, key: bytes, pieces: Pieces, value_bytes: int, direct: bool) -> None:
-        """One ``pwritev`` of the header and the regions themselves (aligned ones, with ``O_DIRECT``)."""
-        views = self._views(pieces)
-        header = self._scratch.get("header", data_offset(len(key)))
-        end = pack_header(header.view, key, value_bytes, _digest(views))
-        tail = value_bytes % ALIGN
-        if not tail:
-            write_all(fd, [header.view[:end], *views], 0)
-        elif direct:
-            # The last partial block goes through an aligned block of ours, padded with zeros.
-            block = self._scratch.get("tail", ALIGN)
-            body = views[-1][: len(views[-1]) - tail]
-            block.view[:tail] = views[-1][len(body) :]
-            block.view[tail:ALIGN] = _ZEROS[tail:]
-            write_all(fd, [header.view[:end], *views[:-1], body, block.view[:ALIGN]], 0)
-        else:
-            write_all(fd, [header.view[:end], *views, _ZEROS[: ALIGN - tail]], 0)
-
-    def _write_staged(self, fd: int, key: bytes, pieces: Pieces, value_bytes: int) -> None:
-        """``O_DIRECT`` from unaligned regions: copied into an aligned buffer a piece at a time, the
-        value first and the header (which holds its checksum) last."""
-        _, _, array = self._mapped()
-        stage = self._scratch.get("stage", min(STAGE_BYTES, aligned(value_bytes)))
-        hasher = xxhash.xxh3_64()
-        offset = data_offset(len(key))
-        for chunk in _chunks(pieces, len(stage)):
-            filled = 0
-            for start, size in chunk:
-                stage.array[filled : filled + size] = array[start : start + size]
-                filled += size
-            hasher.update(stage.view[:filled])
-            padded = aligned(filled)
-            stage.view[filled:padded] = _ZEROS[: padded - filled]
-            write_all(fd, [stage.view[:padded]], offset)
-            offset += padded
-        header = self._scratch.get("header", data_offset(len(key)))
-        end = pack_header(header.view, key, value_bytes, hasher.intdigest())
-        write_all(fd, [header.view[:end]], 0)
-
-    # -- reading ---------------------------------------------------------------------------------
-
-    def _get_one(self, key: str, entry: _Entry, pieces: Pieces) -> str:
-        """Read one value into its regions; what happened (``_READ`` only when it verified whole)."""
+    def _get_one(self, key: str, entry: Entry, pieces: Pieces) -> str:
+        """Read one value into its regions; what happened (``READ`` only when it verified whole)."""
         path = os.path.join(self.directory, entry.name)
-        direct = self._direct
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if direct else 0))
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (O_DIRECT if self._direct else 0))
         except FileNotFoundError:
-            return _MISSING
+            return MISSING
         except OSError as exc:
             return self._read_failed(path, exc)
         try:
-            if direct and not self._aligned(pieces):
-                intact = self._read_staged(fd, encode_key(key), entry.value_bytes, pieces)
-            else:
-                intact = self._read_in_place(fd, encode_key(key), entry.value_bytes, pieces, direct)
+            intact = self._transfer.read(fd, encode_key(key), entry.value_bytes, pieces)
         except OSError as exc:
             return self._read_failed(path, exc)
         finally:
@@ -513,66 +312,11 @@ class DiskBackend(ClosingContext):
                 self.directory,
                 path,
             )
-        return _READ if intact else _DAMAGED
-
-    def _read_in_place(self, fd: int, key: bytes, value_bytes: int, pieces: Pieces, direct: bool) -> bool:
-        """Read the header and the value into the regions in one ``preadv``; whether the header is the
-        key's and the bytes read match its checksum."""
-        views = self._views(pieces)
-        offset = data_offset(len(key))
-        header = self._scratch.get("header", offset)
-        tail = value_bytes % ALIGN
-        if direct and tail:
-            block = self._scratch.get("tail", ALIGN)
-            body = views[-1][: len(views[-1]) - tail]
-            got = read_all(fd, [header.view[:offset], *views[:-1], body, block.view[:ALIGN]], 0)
-            views[-1][len(body) :] = block.view[:tail]
-            wanted = offset + aligned(value_bytes)
-        else:
-            got = read_all(fd, [header.view[:offset], *views], 0)
-            wanted = offset + value_bytes
-        found = parse_header(header.view[:offset])
-        return (
-            got >= wanted
-            and found is not None
-            and found.key == key
-            and found.value_bytes == value_bytes
-            and _digest(views) == found.value_sum
-        )
-
-    def _read_staged(self, fd: int, key: bytes, value_bytes: int, pieces: Pieces) -> bool:
-        """``O_DIRECT`` into unaligned regions: read into an aligned buffer a piece at a time (the
-        header with the first), then copied out; whether the value is whole and intact."""
-        _, _, array = self._mapped()
-        offset = data_offset(len(key))
-        header = self._scratch.get("header", offset)
-        stage = self._scratch.get("stage", min(STAGE_BYTES, aligned(value_bytes)))
-        hasher = xxhash.xxh3_64()
-        found: Header | None = None
-        position = offset
-        for chunk in _chunks(pieces, len(stage)):
-            filled = sum(size for _, size in chunk)
-            padded = aligned(filled)
-            if position == offset:
-                got = read_all(fd, [header.view[:offset], stage.view[:padded]], 0) - offset
-                found = parse_header(header.view[:offset])
-                if found is None or found.key != key or found.value_bytes != value_bytes:
-                    return False
-            else:
-                got = read_all(fd, [stage.view[:padded]], position)
-            if got < padded:
-                return False
-            hasher.update(stage.view[:filled])
-            filled = 0
-            for start, size in chunk:
-                array[start : start + size] = stage.array[filled : filled + size]
-                filled += size
-            position += padded
-        return found is not None and hasher.intdigest() == found.value_sum
+        return READ if intact else DAMAGED
 
     def _read_failed(self, path: str, exc: OSError) -> str:
         with self._lock:
-            self._counts["get_errors"] += 1
+            self._index.counts["get_errors"] += 1
         self._log_once(
             f"get-{exc.errno}",
             "aiokv: DiskBackend %s: reading %s failed (%s); such keys answer TRANSFER_FAILED",
@@ -580,93 +324,13 @@ class DiskBackend(ClosingContext):
             path,
             exc,
         )
-        return _FAILED
+        return FAILED
 
-    def _done_reading(self, reads: list[tuple[int, str, _Entry]], outcomes: list[str]) -> None:
-        """Unpin what a get read; drop the values found damaged or missing (unless a remove or a
-        newer write replaced them meanwhile) and delete the files no reader needs any more."""
-        doomed: list[str] = []
+    def _done_reading(self, reads: list[Read], outcomes: list[str]) -> None:
+        """Unpin what a get read, and delete the files no reader needs any more."""
         with self._lock:
-            counts = self._counts
-            for i, (_, key, entry) in enumerate(reads):
-                outcome = outcomes[i] if i < len(outcomes) else None
-                if outcome == _READ:
-                    counts["hits"] += 1
-                    counts["bytes_read"] += entry.value_bytes
-                elif outcome in (_DAMAGED, _MISSING) and self._index.get(key) is entry:
-                    del self._index[key]
-                    entry.removed = True
-                    counts["corrupt_dropped" if outcome == _DAMAGED else "missing_dropped"] += 1
-                path = self._unpin(entry)
-                if path is not None:
-                    doomed.append(path)
+            doomed = self._index.done_reading(reads, outcomes)
         self._unlink(doomed)
-
-    # -- the index (every method here runs under the lock) -------------------------------------
-
-    def _reserve(self, size: int, victims: list[str]) -> bool:
-        """Count ``size`` bytes for a put, evicting down to the low watermark when it would pass the
-        high one; False (nothing evicted) when it cannot fit."""
-        if size > self.capacity_bytes:
-            return False
-        if self._used + size > self._high:
-            held = self._pinned_bytes + self._writing_bytes  # what no eviction can free
-            if held + size > self.capacity_bytes:
-                return False
-            self._evict(max(0, self._low - size), victims)
-            if self._used + size > self.capacity_bytes:
-                return False
-        self._used += size
-        self._writing_bytes += size
-        return True
-
-    def _evict(self, target: int, victims: list[str]) -> None:
-        """Drop the least recently used values nobody reads until ``used_bytes <= target``."""
-        excess = self._used - target
-        chosen = []
-        for key, entry in self._index.items():
-            if excess <= 0:
-                break
-            if entry.pins:
-                continue
-            chosen.append(key)
-            excess -= entry.file_bytes
-        for key in chosen:
-            entry = self._index.pop(key)
-            self._used -= entry.file_bytes
-            self._counts["evictions"] += 1
-            self._counts["evicted_bytes"] += entry.file_bytes
-            victims.append(os.path.join(self.directory, entry.name))
-
-    def _release(self, write: _Write) -> None:
-        """A reserved put that wrote nothing."""
-        del self._writing[write.key]
-        self._writing_bytes -= write.size
-        self._used -= write.size
-
-    def _pin(self, entry: _Entry) -> None:
-        if not entry.pins:
-            self._pinned_bytes += entry.file_bytes
-        entry.pins += 1
-
-    def _unpin(self, entry: _Entry) -> str | None:
-        """One reader done; the path to delete when it was the last reader of a removed value."""
-        entry.pins -= 1
-        if entry.pins:
-            return None
-        self._pinned_bytes -= entry.file_bytes
-        if not entry.removed:
-            return None
-        self._used -= entry.file_bytes
-        return os.path.join(self.directory, entry.name)
-
-    def _drop(self, entry: _Entry) -> str | None:
-        """An entry just taken out of the index: its path to delete now, or None while it is read."""
-        entry.removed = True
-        if entry.pins:
-            return None
-        self._used -= entry.file_bytes
-        return os.path.join(self.directory, entry.name)
 
     def _log_full(self, size: int) -> None:
         if size > self.capacity_bytes:
@@ -679,66 +343,16 @@ class DiskBackend(ClosingContext):
                 self.capacity_bytes,
             )
             return
+        index = self._index
         self._log_once(
             "full",
             "aiokv: DiskBackend %s is full (%d of %d bytes, %d held by reads and writes in progress); "
             "puts that do not fit answer NO_SPACE (logged once; stats()['put_no_space'] counts them)",
             self.directory,
-            self._used,
+            index.used,
             self.capacity_bytes,
-            self._pinned_bytes + self._writing_bytes,
+            index.pinned_bytes + index.writing_bytes,
         )
-
-    # -- opening ---------------------------------------------------------------------------------
-
-    def _rebuild(self) -> None:
-        """Index the files found (:func:`~aiokv.backends.disk_scan.scan`), oldest first; evict down to
-        the low watermark if they pass the capacity."""
-        started = time.perf_counter()
-        found = scan(self.directory)
-        for item in found.values:
-            name = file_name(encode_key(item.key), item.generation)
-            self._index[item.key] = _Entry(name, item.value_bytes, item.file_bytes)
-            self._used += item.file_bytes
-            self._next_generation = max(self._next_generation, item.generation + 1)
-        self._counts["temp_files_dropped"] = found.temp_files
-        self._counts["corrupt_dropped"] = found.damaged
-        if found.other_versions:
-            logger.warning(
-                "aiokv: DiskBackend %s: %d files of another format version are left alone (not indexed, "
-                "not counted against the capacity)",
-                self.directory,
-                found.other_versions,
-            )
-        if self._used > self.capacity_bytes:
-            victims: list[str] = []
-            self._evict(self._low, victims)
-            self._unlink(victims)
-        logger.info(
-            "aiokv: DiskBackend %s: %d values (%d bytes) indexed from their headers in %.3f s; removed %d "
-            "temp files, %d damaged files, %d older copies; %d evicted to fit %d bytes; %s I/O",
-            self.directory,
-            len(self._index),
-            self._used,
-            time.perf_counter() - started,
-            found.temp_files,
-            found.damaged,
-            found.older_copies,
-            self._counts["evictions"],
-            self.capacity_bytes,
-            "O_DIRECT" if self._direct else "buffered",
-        )
-        info = os.statvfs(self.directory)
-        room = info.f_bavail * info.f_frsize + self._used
-        if room < self.capacity_bytes:
-            logger.warning(
-                "aiokv: DiskBackend %s: capacity_bytes (%d) is more than the file system can hold for it "
-                "(%d bytes free plus %d stored); puts answer NO_SPACE once it is full",
-                self.directory,
-                self.capacity_bytes,
-                room - self._used,
-                self._used,
-            )
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -757,50 +371,6 @@ class DiskBackend(ClosingContext):
                 if not self._active:
                     self._idle.notify_all()
 
-    def _proven(self, table: RegionTable) -> tuple[Space | None, BoolArray]:
-        """The mapped space, and per key whether all its regions lie in registered memory and in that
-        view (a buffer registered after the view was taken is refused, not read past the view)."""
-        space = self._space
-        valid = self._memory.valid_keys(table)
-        if space is None:
-            return None, np.zeros(table.num_keys, dtype=bool)
-        base, view, _ = space
-        outside = (table.addrs < base) | (table.addrs - base > len(view) - table.sizes)
-        if outside.any():
-            counts = np.zeros(table.addrs.size + 1, dtype=np.int64)
-            np.cumsum(outside, out=counts[1:])
-            valid &= counts[table.offsets[1:]] == counts[table.offsets[:-1]]
-        return space, valid
-
-    def _views(self, pieces: Pieces) -> list[memoryview]:
-        _, view, _ = self._mapped()
-        return [view[start : start + size] for start, size in pieces]
-
-    def _aligned(self, pieces: Pieces) -> bool:
-        """Whether ``O_DIRECT`` can move the regions in place: each starts on a page, and all but the
-        last are whole pages long."""
-        base = self._mapped()[0]
-        last = len(pieces) - 1
-        return all(
-            (base + start) % ALIGN == 0 and (j == last or size % ALIGN == 0)
-            for j, (start, size) in enumerate(pieces)
-        )
-
-    def _map_space(self) -> None:
-        """Views over all registered memory (see ``RegisteredMemory.address_space``)."""
-        space = self._memory.address_space()
-        if space is None:
-            self._space = None
-            return
-        base, array = space
-        self._space = (base, memoryview(array).cast("B"), np.ctypeslib.as_array(array))
-
-    def _mapped(self) -> Space:
-        space = self._space
-        if space is None:
-            raise BackendError("DiskBackend has no registered memory")
-        return space
-
     def _unlink(self, paths: list[str]) -> None:
         for path in paths:
             unlink_quietly(path)
@@ -817,45 +387,3 @@ class DiskBackend(ClosingContext):
     def _check_open(self) -> None:
         if self._closed:
             raise BackendError("DiskBackend is closed")
-
-
-def _pieces(table: RegionTable, row: int, space: Space | None) -> Pieces:
-    """Key ``row``'s regions as offsets in the mapped space, regions that continue each other merged."""
-    if space is None:
-        raise BackendError("DiskBackend has no registered memory")
-    first, last = int(table.offsets[row]), int(table.offsets[row + 1])
-    base = space[0]
-    pieces: Pieces = []
-    for addr, size in zip(table.addrs[first:last].tolist(), table.sizes[first:last].tolist(), strict=True):
-        start = addr - base
-        if pieces and pieces[-1][0] + pieces[-1][1] == start:
-            pieces[-1] = (pieces[-1][0], pieces[-1][1] + size)
-        else:
-            pieces.append((start, size))
-    return pieces
-
-
-def _chunks(pieces: Pieces, limit: int) -> Iterator[Pieces]:
-    """``pieces`` cut into consecutive runs of at most ``limit`` bytes (a piece may be split)."""
-    chunk: Pieces = []
-    room = limit
-    for start, size in pieces:
-        while size:
-            take = min(size, room)
-            chunk.append((start, take))
-            start, size, room = start + take, size - take, room - take
-            if not room:
-                yield chunk
-                chunk, room = [], limit
-    if chunk:
-        yield chunk
-
-
-def _digest(views: list[memoryview]) -> int:
-    """xxh3-64 of the views back to back (the same digest as one call over the joined bytes)."""
-    if len(views) == 1:
-        return xxhash.xxh3_64_intdigest(views[0])
-    hasher = xxhash.xxh3_64()
-    for view in views:
-        hasher.update(view)
-    return hasher.intdigest()

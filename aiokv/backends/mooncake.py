@@ -25,6 +25,7 @@ from ..codes import Code, code_name
 from ..errors import BackendError, BackendUnavailableError, InvalidRequestError
 from ._regions import Regions, RegionTable, RegisteredMemory, check_keys
 from .base import ClosingContext
+from .mooncake_binding import TCP_QUEUE_ENV, import_store
 from .mooncake_calls import CallForm, call_form, distinct_rounds, prove, region_lists
 from .mooncake_config import (
     CONFIG_ENV_VAR,
@@ -57,34 +58,6 @@ _TRANSFER_FAILED = int(Code.TRANSFER_FAILED)
 # Codes meaning the master could not be asked: the batch fails as a whole.
 _UNAVAILABLE_CODES = frozenset({int(Code.UNAVAILABLE), int(Code.INTERNAL)})
 
-# Mooncake's TCP transport queues at most ~1024 slices per peer by default; a larger cross-process
-# batch stalls 60 s and then fails -800. Mooncake reads these at setup, so they are set just before.
-_TCP_QUEUE_ENV = {
-    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
-    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
-}
-
-
-def _import_hint(exc: ImportError) -> str:
-    """What to install, from why ``mooncake.store`` would not import."""
-    text = str(exc)
-    if "libibverbs" in text:
-        return (
-            f"Mooncake's native library cannot load ({text}): install the system library with "
-            "`apt-get install libibverbs1`"
-        )
-    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "mooncake":
-        return f"MooncakeBackend needs the mooncake package: {INSTALL_HINT}"
-    return f"cannot import mooncake.store ({text}); reinstall it: {INSTALL_HINT}"
-
-
-def _import_store() -> tuple[Any, Any]:
-    try:
-        from mooncake.store import MooncakeDistributedStore, ReplicateConfig  # type: ignore[import-untyped]
-    except ImportError as exc:
-        raise ImportError(_import_hint(exc)) from exc
-    return MooncakeDistributedStore, ReplicateConfig
-
 
 class MooncakeBackend(MooncakeExtras, ClosingContext):
     """The backend protocol over a Mooncake distributed store client.
@@ -110,8 +83,8 @@ class MooncakeBackend(MooncakeExtras, ClosingContext):
         self, config: MooncakeConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None
     ) -> None:
         self.config = MooncakeConfig.load(config)
-        store_class, replicate_class = _import_store()
-        for name, value in _TCP_QUEUE_ENV.items():
+        store_class, replicate_class = import_store()
+        for name, value in TCP_QUEUE_ENV.items():
             os.environ.setdefault(name, value)
         self._replicate = replicate_class()
         self._replicate.replica_num = self.config.replica_num

@@ -69,7 +69,8 @@ seeded random-weight checkpoints (a Llama, a DeepSeek-style MLA model) for vLLM 
 
 from __future__ import annotations
 
-from .faults import OPS, BlockingBackend, FaultInjectingBackend
+from .blocking import BlockingBackend
+from .faults import OPS, FaultInjectingBackend
 from .paged_cache import SENTINEL, GroupCache, PagedCache, chunk_block_ids, chunk_value, same_blocks
 from .records import Call
 from .rules import DATA_OPS, FaultRule, HangExpiredError, InjectedFault

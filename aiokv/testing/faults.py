@@ -22,7 +22,7 @@ from .rules import DATA_OPS, FaultRule, HangExpiredError
 
 logger = logging.getLogger("aiokv.testing")
 
-__all__ = ["OPS", "BlockingBackend", "FaultInjectingBackend"]
+__all__ = ["OPS", "FaultInjectingBackend"]
 
 OPS = ("register", "unregister", "exists", "put", "get", "close")
 """The op names of every call the wrapper records (``batch_put`` is ``"put"``, and so on)."""
@@ -368,31 +368,6 @@ class FaultInjectingBackend:
     def _record(self, call: Call) -> None:
         with self._lock:
             self._calls.append(call)
-
-
-class BlockingBackend(FaultInjectingBackend):
-    """Every call of ``op`` blocks until :meth:`release` (or ``max_wait_s``), recording like its base.
-
-    Starts blocked unless ``blocked=False``; :meth:`block` closes the gate again for later calls.
-    """
-
-    def __init__(
-        self, inner: Backend, *, op: str = "*", blocked: bool = True, max_wait_s: float = 30.0
-    ) -> None:
-        self.gate = threading.Event()
-        if not blocked:
-            self.gate.set()
-        super().__init__(inner, rules=[FaultRule(op=op, hang=self.gate, max_hang_s=max_wait_s)])
-
-    def release(self, op: str | None = None) -> None:
-        self.gate.set()
-        super().release(op)
-
-    def block(self, op: str | None = None, max_wait_s: float = 30.0) -> threading.Event:
-        if op is not None:
-            return super().block(op, max_wait_s)
-        self.gate.clear()
-        return self.gate
 
 
 def _select(regions: Regions | None, index: list[int]) -> Any:

@@ -255,7 +255,7 @@ def test_start_up_log_says_which_engines_share_the_keys(
 
     from aiokv.integrations.vllm.common.connector_config import ConnectorConfig
     from aiokv.integrations.vllm.common.geometry import EngineGeometry, KVGeometry
-    from aiokv.integrations.vllm.connector import _log_key_scope
+    from aiokv.integrations.vllm.scheduler_side.key_scope import log_key_scope
 
     vllm_config = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1),
@@ -265,6 +265,6 @@ def test_start_up_log_says_which_engines_share_the_keys(
     group = KVGeometry(("layer.0",), block_size=128, page_bytes=65536, dtype="bfloat16", is_mla=is_mla)
     geometry = EngineGeometry((group,))
     with caplog.at_level(logging.INFO, logger="aiokv.vllm"):
-        _log_key_scope(vllm_config, config, geometry)
+        log_key_scope(vllm_config, config, geometry)
     (record,) = [record for record in caplog.records if record.name == "aiokv.vllm"]
     assert "'tiny-llama" in record.getMessage() and says in record.getMessage(), record.getMessage()

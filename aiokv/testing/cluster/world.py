@@ -297,9 +297,9 @@ def world_unavailable_reason() -> str | None:
         return f"{', '.join(missing)} not found (apt-get install util-linux iproute2)"
     try:
         find_master_executable()
-        from ...backends.mooncake import _import_store
+        from ...backends.mooncake_binding import import_store
 
-        _import_store()
+        import_store()
     except (ImportError, FileNotFoundError) as exc:
         return f"Mooncake is not usable here: {exc}"
     probe: list[Namespace] = []

@@ -23,15 +23,17 @@ from ....leases import LeaseBudget
 from ..common.backend_handles import acquire_backend, at_exit, release_backend
 from ..common.block_keys import hashed_prompt, key_namespace
 from ..common.connector_config import ConnectorConfig
-from ..common.geometry import EngineGeometry, usable_from
+from ..common.geometry import EngineGeometry
 from ..common.group_workers import GroupWorkers
 from ..common.stats_reporter import CounterDeltas
 from ..common.step_metadata import AiokvConnectorMetadata
 from ..common.wire import TransferSpec
 from .group_lookups import GroupLookup
 from .hit_phases import HitPhases
+from .key_scope import log_key_scope
 from .kv_events import connector_events
 from .load_policy import Decision, LoadPolicy
+from .load_specs import load_spec
 from .prompt_tails import PromptTails
 from .state_groups import StateGroups
 from .step_stores import StepStores
@@ -239,7 +241,16 @@ class SchedulerSide:
         if num_external_tokens <= 0 or hit is None:
             self._phases.allocated(req_id, time.monotonic(), 0)
             return
-        spec = self._load_spec(req_id, hit, blocks.get_block_ids(), num_external_tokens)
+        spec = load_spec(
+            req_id,
+            hit.prompt,
+            hit.local,
+            blocks.get_block_ids(),
+            num_external_tokens,
+            geometry=self.geometry,
+            chunk_blocks=self.chunk_blocks,
+            states=self._states,
+        )
         self._phases.allocated(req_id, time.monotonic(), len(spec.prompt.hashes) * self._chunk_bytes)
         self._loads.append(spec)
         if self._groups is not None:
@@ -256,51 +267,6 @@ class SchedulerSide:
                 self._policy.load_started(req_id, nbytes, time.monotonic())
         # Loaded chunks are not marked stored: if the load fails they are recomputed, and the store
         # that follows writes them again (chunks the store has are skipped by one existence check).
-
-    def _load_spec(
-        self, req_id: str, hit: _Hit, group_block_ids: Any, num_external_tokens: int
-    ) -> TransferSpec:
-        """The chunks covering tokens ``[hit.local, hit.local + num_external_tokens)``, into the blocks
-        vLLM allocated in each KV cache group. A chunk is loaded only if every one of its blocks was
-        allocated (a load never writes a block the request was not given); the blocks of the hit left
-        unloaded are reported failed, so vLLM recomputes them instead of reading what they hold. A
-        sliding-window group gets null blocks before its window: only the chunks after them load. A
-        state group loads the state at the hit's end (:mod:`.state_groups`)."""
-        first = hit.local // self.chunk_tokens
-        end_token = hit.local + num_external_tokens
-        wanted = min(-(-end_token // self.chunk_tokens), len(hit.prompt.hashes))
-        allocated = min(len(ids) for ids in group_block_ids) // self.chunk_blocks
-        last = max(first, min(wanted, allocated))
-        end = last * self.chunk_blocks
-        block_ids, first_chunks, unloaded = [], [], []
-        for group, ids in enumerate(group_block_ids):
-            if self.geometry.groups[group].is_state:
-                state, missing = self._states.load_blocks(ids, end_token, end * self.block_size)
-                first_chunks.append(last - first - 1)
-                block_ids.append(state)
-                unloaded.append(missing)
-                continue
-            window = max(first, usable_from(ids[:end], self.chunk_blocks))
-            first_chunks.append(window - first)
-            block_ids.append(tuple(int(b) for b in ids[window * self.chunk_blocks : end]))
-            hit_blocks = min(-(-end_token // self.block_size), len(ids))
-            unloaded.append(tuple(int(b) for b in ids[end:hit_blocks]))
-        if any(unloaded) or last < wanted:
-            logger.warning(
-                "aiokv: %s was given %d blocks for a hit of %d tokens; %d block(s) are recomputed",
-                req_id,
-                allocated * self.chunk_blocks,
-                end_token,
-                max(sum(map(len, unloaded)), 1),
-            )
-        return TransferSpec(
-            req_id,
-            HashedPrompt(hit.prompt.hashes[first:last], self.chunk_tokens),
-            tuple(block_ids),
-            tuple(first_chunks),
-            tuple(unloaded),
-            offset=first,
-        )
 
     # -- each step ------------------------------------------------------------------------------
 
@@ -417,28 +383,3 @@ class SchedulerSide:
         if self._backend is not None:
             backend, self._backend = self._backend, None
             release_backend(self.engine_id, backend)
-
-
-def log_key_scope(vllm_config: Any, config: ConnectorConfig, geometry: EngineGeometry) -> None:
-    """Say which engines share this engine's keys: engines of other TP sizes (a prefill engine with
-    TP 2, a decode engine with TP 4) simply miss each other's KV, which is otherwise silent."""
-    parallel = vllm_config.parallel_config
-    namespace = key_namespace(vllm_config, config, geometry, tp_rank=0, pp_rank=0)
-    if config.key_format == "vllm" and not geometry.is_mla:
-        logger.info(
-            "aiokv: keys in vLLM's format under %r name no TP size: give every engine sharing them TP "
-            "size %d (another size's values do not fit; their loads fail and are recomputed)",
-            namespace.model,
-            parallel.tensor_parallel_size,
-        )
-        return
-    if geometry.is_mla:
-        scope = f"any TP size (MLA: one shared key per chunk) and PP size {parallel.pipeline_parallel_size}"
-    else:
-        scope = f"TP size {parallel.tensor_parallel_size} and PP size {parallel.pipeline_parallel_size}"
-    logger.info(
-        "aiokv: keys under %r: shared with engines of the same model name, KV layout, %s; "
-        "engines of other sizes miss them",
-        namespace.model,
-        scope,
-    )

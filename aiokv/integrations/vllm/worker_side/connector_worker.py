@@ -16,14 +16,12 @@ from __future__ import annotations
 import concurrent.futures
 import functools
 import logging
-import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from ....backends.verified import VerifiedBackend
-from ....results import LoadResult
 from ..common.backend_handles import acquire_backend, at_exit, release_backend, safe_call
 from ..common.block_keys import key_namespace, value_fingerprint
 from ..common.connector_config import ConnectorConfig
@@ -35,13 +33,14 @@ from ..common.step_metadata import AiokvConnectorMetadata, AiokvHandshakeMetadat
 from ..common.wire import TransferSpec
 from .chunk_movers import ChunkMover
 from .load_meter import LoadMeter
+from .load_outcomes import LoadOutcomes
 from .store_confirmations import store_confirmations
 from .tier_stores import DiskTierError, open_tier_worker
 from .tier_worker import TierWorker
+from .transfer_waits import wait_all
 
 logger = logging.getLogger("aiokv.vllm")
 
-_WAIT_LOG_S = 5.0  # a wait for in-flight transfers this long is logged (and then every as long)
 _STATS_INTERVAL_S = 1.0
 
 
@@ -50,39 +49,6 @@ def _warn_if_failed(req_id: str, future: concurrent.futures.Future[Any]) -> None
     are in the result)."""
     if not future.cancelled() and (exc := future.exception()) is not None:
         logger.warning("aiokv: store for %s failed (%s)", req_id, exc)
-
-
-def _wait_all(futures: list[concurrent.futures.Future[Any]], what: str) -> None:
-    """Wait until every future is done. Not bounded here: each transfer is bounded by its own timeout
-    and the backend's, and the blocks must not be reused while one may still touch them."""
-    pending = [future for future in futures if not future.done()]
-    started = time.monotonic()
-    while pending:
-        _, not_done = concurrent.futures.wait(pending, timeout=_WAIT_LOG_S)
-        pending = list(not_done)
-        if pending:
-            logger.warning(
-                "aiokv: %s still waits for %d transfer(s) after %.0f s",
-                what,
-                len(pending),
-                time.monotonic() - started,
-            )
-
-
-def _when_done(futures: list[concurrent.futures.Future[Any]], then: Callable[[], None]) -> None:
-    """Call ``then()`` once every future in ``futures`` is done (on the thread finishing the last)."""
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_: concurrent.futures.Future[Any]) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            then()
-
-    for future in futures:
-        future.add_done_callback(one_done)
 
 
 def _add_counters(total: dict[str, Any], counters: Mapping[str, Any]) -> None:
@@ -118,21 +84,16 @@ class WorkerSide:
         # One aiokv worker per KV cache group: a sliding-window group moves fewer chunks than the others.
         self._groups: GroupWorkers | None = None
         self._on_cuda = False
-        self._loads: dict[str, tuple[list[concurrent.futures.Future[LoadResult]] | None, TransferSpec]] = {}
+        # Connector-level events, for tests and logs (the worker's own counters are in stats()).
+        self.events: Counter[str] = Counter()
+        self._loads = LoadOutcomes(geometry.hybrid, self.events)
         self._stores: defaultdict[str, list[concurrent.futures.Future[Any]]] = defaultdict(list)
         self._with_stores: set[str] = set()
         self._finishing: set[str] = set()
-        self._load_errors: set[int] = set()
-        self._failed_loads: set[str] = set()  # hybrid engines: loads that failed, reported per request
-        # Connector-level events, for tests and logs (the worker's own counters are in stats()).
-        self.events: Counter[str] = Counter()
         self._stats: list[StatsReporter] = []  # one per group's worker
         # This rank's host tier (single-group engines: the connector refuses it on hybrid ones); it
         # then moves the group's chunks, in front of the store's worker if any.
         self.tier: TierWorker | None = None
-        # When each load was done (time.monotonic()), reported to the scheduler (a hit's phases).
-        self._loads_done: dict[str, float] = {}
-        self._loads_done_lock = threading.Lock()  # written on aiokv's loop thread, taken on the engine's
         self._verify_deltas = CounterDeltas()
         # The load policy's measurements (scheduler_side.load_policy), reported to the scheduler each step.
         self.meter: LoadMeter | None = None
@@ -230,8 +191,7 @@ class WorkerSide:
         report, for the tier's index, and the load policy's measurements; None if nothing."""
         report = self.tier.report() if self.tier is not None else None
         measured = self.meter.take() if self.meter is not None else None
-        with self._loads_done_lock:
-            done, self._loads_done = self._loads_done, {}
+        done = self._loads.take_done_times()
         stored = self.confirmations.report() if self.confirmations is not None else None
         if report is None and not measured and not done and stored is None:
             return None
@@ -249,7 +209,7 @@ class WorkerSide:
             futures = self._stores.pop(req_id, [])
             if any(not future.done() for future in futures):
                 self.events["preemptions_waited"] += 1
-                _wait_all(futures, f"preempted request {req_id}")
+                wait_all(futures, f"preempted request {req_id}")
         if self.geometry.has_state or any(group.sliding_window is not None for group in self.geometry.groups):
             # vLLM frees a sliding window's older blocks, and a state group's handed-over states, as
             # requests advance, between steps and without telling the connector: a store of earlier
@@ -257,7 +217,7 @@ class WorkerSide:
             pending = [future for futures in self._stores.values() for future in futures if not future.done()]
             if pending:
                 self.events["state_stores_waited" if self.geometry.has_state else "window_stores_waited"] += 1
-                _wait_all(pending, "stores of blocks vLLM may free (sliding windows, states)")
+                wait_all(pending, "stores of blocks vLLM may free (sliding windows, states)")
 
     def start_load_kv(self, meta: AiokvConnectorMetadata) -> None:
         if self.tier is not None:
@@ -265,25 +225,19 @@ class WorkerSide:
         wanted = [spec for spec in meta.loads if spec.prompt.hashes]
         futures = dict(zip((spec.req_id for spec in wanted), self._submit("load", wanted), strict=True))
         for spec in meta.loads:
-            self._loads[spec.req_id] = (futures.get(spec.req_id), spec)
+            submitted = futures.get(spec.req_id)
+            self._loads.submitted(spec, submitted)
             self.events["loads_submitted"] += 1
-            if submitted_futures := futures.get(spec.req_id):
-                _when_done(submitted_futures, functools.partial(self._load_done, spec.req_id))
-            if self.meter is not None and (submitted := futures.get(spec.req_id)):
+            if self.meter is not None and submitted:
                 groups = [group for group, ids in enumerate(spec.block_ids) if ids]
                 requested = sum(len(spec.block_ids[g]) * self.geometry.groups[g].block_bytes for g in groups)
                 self.meter.load_submitted(submitted, groups, requested)
         if meta.sync_loads and meta.loads:
             # The forward reads these blocks in this step.
             for spec in meta.loads:
-                self._finish_load(spec.req_id, wait=True)
+                self._loads.finish(spec.req_id, wait=True)
             if self.meter is not None:
                 self.meter.sync_loads_done()  # the forward starts after them
-
-    def _load_done(self, req_id: str) -> None:
-        """Every group's load of ``req_id`` is done (on aiokv's loop thread)."""
-        with self._loads_done_lock:
-            self._loads_done[req_id] = time.monotonic()
 
     def wait_for_save(self, meta: AiokvConnectorMetadata) -> None:
         if self.meter is not None:
@@ -334,7 +288,7 @@ class WorkerSide:
                 # Futures of groups submitted before the refusal still touch the blocks: keep them.
                 return [group_futures or None for group_futures in out]
             for group_futures in out:
-                _wait_all(group_futures, f"{kind}s refused in part")  # a load's blocks are recomputed
+                wait_all(group_futures, f"{kind}s refused in part")  # a load's blocks are recomputed
             return [None] * len(specs)
         return list(out)
 
@@ -354,7 +308,7 @@ class WorkerSide:
         for req_id, futures in list(self._stores.items()):
             # Drop finished stores of running requests, keep the ones a preemption must wait for.
             self._stores[req_id] = [future for future in futures if not future.done()]
-        recving = {req_id for req_id, (future, _) in list(self._loads.items()) if self._finish_load(req_id)}
+        recving = self._loads.finished()
         return sending or None, recving or None
 
     def _give_way(self, idle: bool) -> None:
@@ -363,9 +317,7 @@ class WorkerSide:
         interval (5 ms) takes it away, at every hand-off of a transfer between aiokv's threads, and it
         takes a core from the transport. On a step that computes nothing, wait up to ``idle_wait_s``
         for a load (or a finishing request's store) to finish; otherwise just yield the GIL."""
-        pending = [
-            future for futures, _ in self._loads.values() for future in futures or () if not future.done()
-        ]
+        pending = self._loads.pending()
         if idle:
             for req_id in self._finishing:
                 pending += [future for future in self._stores.get(req_id, ()) if not future.done()]
@@ -378,47 +330,12 @@ class WorkerSide:
         else:
             time.sleep(0)
 
-    def _finish_load(self, req_id: str, *, wait: bool = False) -> bool:
-        """If the load of ``req_id`` is done (waiting for it with ``wait``), record what failed: blocks
-        of a single-group engine; the whole request of a hybrid one, in every group (vLLM 0.32 takes a
-        multi-group model's failures only per request, and a range loaded in one group but not in
-        another must never be used)."""
-        futures, spec = self._loads[req_id]
-        if futures is not None and wait:
-            _wait_all(futures, f"load of {req_id}")
-        if futures is not None and not all(future.done() for future in futures):
-            return False
-        del self._loads[req_id]
-        failed = [set(ids) for ids in spec.block_ids]
-        if futures is not None:
-            moving = [group for group, ids in enumerate(spec.block_ids) if ids]
-            for group, future in zip(moving, futures, strict=True):
-                try:
-                    result = future.result()
-                    failed[group] = set(result.failed_block_ids[0]) if result.failed_block_ids else set()
-                except Exception as exc:
-                    logger.warning("aiokv: load for %s failed (%s); recomputing it", req_id, exc)
-        for group, ids in enumerate(spec.unloaded_block_ids):
-            failed[group] |= set(ids)
-        count = sum(map(len, failed))
-        if not count:
-            return True
-        self.events["load_error_blocks"] += count
-        if self.geometry.hybrid:
-            self.events["load_error_requests"] += 1
-            self._failed_loads.add(req_id)
-        else:
-            self._load_errors |= failed[0]
-        return True
-
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors, self._load_errors = self._load_errors, set()
-        return errors
+        return self._loads.take_block_errors()
 
     def take_failed_loads(self) -> set[str]:
         """Requests whose load failed in some group (hybrid engines): vLLM recomputes them whole."""
-        failed, self._failed_loads = self._failed_loads, set()
-        return failed
+        return self._loads.take_failed_requests()
 
     def stats_delta(self) -> dict[str, int] | None:
         """Counters since the last report, or None; never waits for aiokv's loop (see
@@ -451,7 +368,7 @@ class WorkerSide:
 
     def shutdown(self) -> None:
         for futures in self._stores.values():
-            _wait_all(futures, "shutdown")
+            wait_all(futures, "shutdown")
         if self.tier is not None:  # closes the store's worker behind it too (a second close is a no-op)
             tier, self.tier = self.tier, None
             safe_call("closing the host tier", lambda: tier.close(timeout=30.0))
