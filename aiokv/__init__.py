@@ -49,6 +49,7 @@ from .results import LoadResult, StoreResult
 from .runner import loop_factory, run
 from .stats import ChunkOutcome, Kind, Op, StatName
 from .threaded import SyncTransferFuture, ThreadedKVWorker
+from .tier_events import TierEvent, TierEventStream, TierListener
 from .worker import KVWorker
 
 if TYPE_CHECKING:
@@ -106,6 +107,9 @@ __all__ = [
     "StoreResult",
     "SyncTransferFuture",
     "ThreadedKVWorker",
+    "TierEvent",
+    "TierEventStream",
+    "TierListener",
     "TokenIds",
     "TransferFuture",
     "TransferTimeoutError",

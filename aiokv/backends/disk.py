@@ -37,6 +37,7 @@ from contextlib import contextmanager
 
 from ..codes import Code
 from ..errors import BackendError
+from ..tier_events import TierListener
 from ._regions import Regions, RegionTable, check_keys
 from .base import ClosingContext
 from .disk_format import TEMP_DIR, TEMP_SUFFIX, encode_key, file_name
@@ -87,6 +88,7 @@ class DiskBackend(ClosingContext):
         low_watermark: float = 0.85,
         fsync: bool = False,
         direct_io: bool | None = None,
+        listener: TierListener | None = None,
     ) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
@@ -111,6 +113,7 @@ class DiskBackend(ClosingContext):
             capacity_bytes,
             round(capacity_bytes * high_watermark),
             round(capacity_bytes * low_watermark),
+            listener,
         )
         self._logged: set[str] = set()
         self._space = MappedSpace()

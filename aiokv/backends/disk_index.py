@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from ..codes import Code
+from ..tier_events import EventKind, TierEvent, TierListener
 from .disk_format import encode_key, file_bytes, file_name
 from .disk_io import unlink_quietly
 from .disk_scan import Scan, scan
@@ -79,8 +80,12 @@ class DiskIndex:
     """The values under ``directory``, at most ``capacity_bytes`` of files; ``high``/``low``: the
     watermarks in bytes."""
 
-    def __init__(self, directory: str, capacity_bytes: int, high: int, low: int) -> None:
+    def __init__(
+        self, directory: str, capacity_bytes: int, high: int, low: int, listener: TierListener | None = None
+    ) -> None:
         self.directory = directory
+        # Told of every key that enters or leaves the index (aiokv.tier_events), under the caller's lock.
+        self._listener = listener
         self.capacity_bytes = capacity_bytes
         self.high = high
         self.low = low
@@ -132,6 +137,7 @@ class DiskIndex:
         del self.writing[write.key]
         self.writing_bytes -= write.size
         self.entries[write.key] = Entry(name, value_bytes, write.size)
+        self._tell("stored", write.key, "put")
         self.counts["puts"] += 1
         self.counts["bytes_written"] += value_bytes
 
@@ -177,6 +183,7 @@ class DiskIndex:
                 del self.entries[key]
                 entry.removed = True
                 counts["corrupt_dropped" if outcome == DAMAGED else "missing_dropped"] += 1
+                self._tell("removed", key, "damaged" if outcome == DAMAGED else "missing")
             path = self._unpin(entry)
             if path is not None:
                 doomed.append(path)
@@ -193,6 +200,7 @@ class DiskIndex:
                 codes.append(NOT_FOUND)
                 continue
             codes.append(OK)
+            self._tell("removed", key, "removed")
             path = self._drop(entry)
             if path is not None:
                 doomed.append(path)
@@ -257,6 +265,7 @@ class DiskIndex:
             excess -= entry.file_bytes
         for key in chosen:
             entry = self.entries.pop(key)
+            self._tell("removed", key, "evicted")
             self.used -= entry.file_bytes
             self.counts["evictions"] += 1
             self.counts["evicted_bytes"] += entry.file_bytes
@@ -283,10 +292,15 @@ class DiskIndex:
 
     # -- bookkeeping ----------------------------------------------------------------------------
 
+    def _tell(self, kind: EventKind, key: str, reason: str) -> None:
+        if self._listener is not None:
+            self._listener(TierEvent(kind, key, "disk", reason))
+
     def _load(self, found: Scan) -> None:
         for item in found.values:
             name = file_name(encode_key(item.key), item.generation)
             self.entries[item.key] = Entry(name, item.value_bytes, item.file_bytes)
+            self._tell("stored", item.key, "restart")
             self.used += item.file_bytes
             self.next_generation = max(self.next_generation, item.generation + 1)
         self.counts["temp_files_dropped"] = found.temp_files

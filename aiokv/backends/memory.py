@@ -23,6 +23,7 @@ import numpy as np
 from .._arrays import BoolArray
 from ..codes import Code
 from ..errors import BackendError
+from ..tier_events import TierEvent, TierListener
 from ._copies import Bytes, offsets_within_keys, select_keys
 from ._copies import gather as _gather
 from ._copies import scatter as _scatter
@@ -57,7 +58,9 @@ class MemoryBackend(ClosingContext):
     max_regions_per_call = 65536
     exists_in_process = True  # a dict lookup per key, no lock: lookups need no thread
 
-    def __init__(self, capacity_bytes: int = DEFAULT_CAPACITY_BYTES) -> None:
+    def __init__(
+        self, capacity_bytes: int = DEFAULT_CAPACITY_BYTES, *, listener: TierListener | None = None
+    ) -> None:
         if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int) or capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be a positive int, got {capacity_bytes!r}")
         if capacity_bytes >= _SIZE_SPAN:
@@ -76,6 +79,8 @@ class MemoryBackend(ClosingContext):
         self._memory = RegisteredMemory()
         self._space: tuple[int, Bytes] | None = None  # (first address, view up to the last end)
         self._closed = False
+        # Told of every key stored and removed, under the lock (aiokv.tier_events).
+        self._listener = listener
 
     # -- protocol -------------------------------------------------------------------------------
 
@@ -150,8 +155,12 @@ class MemoryBackend(ClosingContext):
             raise
         with self._lock:
             placed = map(_packed, key_offsets_list, key_sizes_list)
-            self._values.update(zip([keys[k] for k in written], placed, strict=True))
+            stored = [keys[k] for k in written]
+            self._values.update(zip(stored, placed, strict=True))
             self._writing -= claimed
+            if self._listener is not None:
+                for key in stored:
+                    self._listener(TierEvent("stored", key, "memory", "put"))
         return codes
 
     def _allocate(self, totals: list[int], to_write: list[int], codes: list[int]) -> dict[int, int]:
@@ -269,6 +278,8 @@ class MemoryBackend(ClosingContext):
                     codes.append(NOT_FOUND)
                     continue
                 offset, size = _unpacked(packed)
+                if self._listener is not None:
+                    self._listener(TierEvent("removed", key, "memory", "removed"))
                 self._used -= size
                 if offset in self._reading:
                     self._deferred_frees[offset] = size
