@@ -79,3 +79,45 @@ def test_observations_not_taken_are_bounded() -> None:
         phases.answered(str(n), float(n) + 0.5)
     lookups = phases.take()["lookup_seconds"]
     assert 0 < len(lookups) <= MAX_KEPT
+
+
+def test_a_finished_hit_is_a_span_with_a_child_per_phase_at_the_recorded_times() -> None:
+    sdk = pytest.importorskip("opentelemetry.sdk.trace", reason="the OpenTelemetry SDK comes with vLLM")
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exported = InMemorySpanExporter()
+    provider = sdk.TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exported))
+    phases = HitPhases(tracer=provider.get_tracer("test"))
+    times = [10.0, 10.5, 11.0, 11.25, 12.0, 14.0, 14.5, 15.0, 16.5]
+    phases.asked("r", times[0])
+    phases.asked("r", times[1])
+    phases.answered("r", times[2])
+    phases.allocated("r", times[3], nbytes=8)
+    phases.step(["r"], set(), times[4])
+    phases.loads_done({"r": times[5]})
+    phases.noticed(["r"], times[6])
+    phases.step([], {"r"}, times[7])
+    assert exported.get_finished_spans() == ()  # the tail's step is not over
+    phases.step([], set(), times[8])
+    spans = {span.name: span for span in exported.get_finished_spans()}
+    hit = spans.pop("aiokv.hit")
+    assert hit.attributes is not None and hit.attributes["vllm.request_id"] == "r"
+    assert hit.attributes["aiokv.lookup_asks"] == 2
+    assert hit.end_time is not None and hit.start_time is not None
+    assert hit.end_time - hit.start_time == pytest.approx(6.5e9, abs=1e3)
+    durations = {
+        name.removeprefix("aiokv.hit."): (span.end_time or 0) - (span.start_time or 0)
+        for name, span in spans.items()
+    }
+    expected = [1.0, 0.25, 0.75, 2.0, 0.5, 0.5, 1.5]
+    assert durations == {
+        phase: pytest.approx(seconds * 1e9, abs=1e3)
+        for phase, seconds in zip(
+            ("lookup", "alloc", "dispatch", "load", "notice", "resume", "tail"), expected
+        )
+    }
+    assert all(
+        span.parent is not None and span.parent.span_id == hit.context.span_id for span in spans.values()
+    )

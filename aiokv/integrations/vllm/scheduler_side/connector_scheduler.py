@@ -29,7 +29,7 @@ from ..common.stats_reporter import CounterDeltas
 from ..common.step_metadata import AiokvConnectorMetadata
 from ..common.wire import TransferSpec
 from .group_lookups import GroupLookup
-from .hit_phases import HitPhases
+from .hit_phases import HitPhases, hit_tracer
 from .key_scope import log_key_scope
 from .kv_events import connector_events
 from .load_policy import Decision, LoadPolicy
@@ -131,7 +131,7 @@ class SchedulerSide:
         self._events = connector_events(vllm_config, config, geometry, self._tails, self._tier)
         self.counters: Counter[str] = Counter()
         self._deltas = CounterDeltas()
-        self._phases = HitPhases()  # where each hit's time goes (vLLM's stats hook)
+        self._phases = HitPhases(tracer=hit_tracer())  # where each hit's time goes (stats hook, spans)
         if transfer.kv_load_failure_policy != "recompute":
             logger.warning(
                 "aiokv: kv_load_failure_policy is %r: a request whose KV fails to load errors out; "

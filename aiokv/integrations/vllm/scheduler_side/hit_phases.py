@@ -13,14 +13,19 @@ A request's hit passes, in order:
   next call the scheduler makes into the connector.
 
 Each finished phase is one observation, handed to vLLM's stats hook (Prometheus histograms
-``vllm:aiokv_hit_<phase>_seconds``, see :mod:`..common.connector_stats`). The workers' view of a load
-(aiokv's queue, transfer and settle, and what verifying values cost) comes from their counters.
+``vllm:aiokv_hit_<phase>_seconds``, see :mod:`..common.connector_stats`); with OpenTelemetry tracing
+on (:func:`hit_tracer`), each finished hit is also a span ``aiokv.hit`` with one child span per phase.
+The workers' view of a load (aiokv's queue, transfer and settle, and what verifying values cost) comes
+from their counters.
 Clock readings are the same ``time.monotonic()`` in every process of one machine.
 """
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 PHASES = ("lookup", "alloc", "dispatch", "load", "notice", "resume", "tail")
 # Observations kept per name between takes: vLLM takes them every step when it logs stats, never when
@@ -47,6 +52,7 @@ class HitPhases:
 
     _live: dict[str, _Timeline] = field(default_factory=dict)
     _observed: dict[str, list[float]] = field(default_factory=dict)
+    tracer: Any = None  # an OpenTelemetry tracer: each finished hit becomes spans (None: no spans)
 
     def _observe(self, name: str, value: float) -> None:
         values = self._observed.setdefault(name, [])
@@ -124,6 +130,8 @@ class HitPhases:
             if timeline.tail_scheduled is not None:
                 self._observe("tail_seconds", now - timeline.tail_scheduled)
                 del self._live[req_id]
+                if self.tracer is not None:
+                    _spans(self.tracer, req_id, timeline, now)
 
     def forget(self, req_id: str) -> None:
         """The request ended or was preempted: what it did not reach is not observed."""
@@ -134,3 +142,59 @@ class HitPhases:
         ``load_bytes_per_second``)."""
         observed, self._observed = self._observed, {}
         return observed
+
+
+def _spans(tracer: Any, req_id: str, timeline: _Timeline, ended: float) -> None:
+    """The hit as a span with a child per phase, at the times recorded (monotonic, turned into the
+    wall-clock nanoseconds OpenTelemetry takes)."""
+    to_ns = time.time_ns() - time.monotonic_ns()
+    marks = [
+        timeline.asked,
+        timeline.answered,
+        timeline.allocated,
+        timeline.dispatched,
+        timeline.loaded,
+        timeline.noticed,
+        timeline.tail_scheduled,
+        ended,
+    ]
+    if any(mark is None for mark in marks):
+        return
+    stamps = [round(mark * 1e9) + to_ns for mark in marks if mark is not None]
+    attributes = {
+        "vllm.request_id": req_id,
+        "aiokv.bytes": timeline.nbytes,
+        "aiokv.lookup_asks": timeline.asks,
+    }
+    hit = tracer.start_span("aiokv.hit", start_time=stamps[0], attributes=attributes)
+    try:
+        from opentelemetry import trace
+
+        context = trace.set_span_in_context(hit)
+        for name, start, end in zip(PHASES, stamps, stamps[1:], strict=False):
+            tracer.start_span(f"aiokv.hit.{name}", context=context, start_time=start).end(end_time=end)
+    finally:
+        hit.end(end_time=stamps[-1])
+
+
+def hit_tracer() -> Any:
+    """An OpenTelemetry tracer for the hits' spans, or None: tracing is on when the process has a
+    tracer provider set (vLLM sets one with ``--otlp-traces-endpoint`` where it traces), or when
+    ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` names an endpoint (vLLM passes it to its engine processes);
+    ``opentelemetry-api`` is used only if installed."""
+    try:
+        from opentelemetry import trace
+    except ImportError:
+        return None
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, (trace.ProxyTracerProvider, trace.NoOpTracerProvider)):
+        endpoint = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        if not endpoint:
+            return None
+        try:
+            from vllm.tracing import init_tracer
+
+            return init_tracer("aiokv.connector", endpoint)
+        except Exception:  # no SDK or exporter: spans are an extra, never a reason to fail
+            return None
+    return trace.get_tracer("aiokv.connector")
