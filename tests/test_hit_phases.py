@@ -115,7 +115,7 @@ def test_a_finished_hit_is_a_span_with_a_child_per_phase_at_the_recorded_times()
     assert durations == {
         phase: pytest.approx(seconds * 1e9, abs=1e3)
         for phase, seconds in zip(
-            ("lookup", "alloc", "dispatch", "load", "notice", "resume", "tail"), expected
+            ("lookup", "alloc", "dispatch", "load", "notice", "resume", "tail"), expected, strict=True
         )
     }
     assert all(
