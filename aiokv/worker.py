@@ -62,7 +62,9 @@ class KVWorker:
 
     Tuning: ``max_regions_per_call`` bounds the (address, size) pairs of one backend call (what the
     binding converts while it holds the GIL; default: the backend's ``max_regions_per_call``
-    attribute, else 16384); ``max_concurrent_batches`` how many batches overlap;
+    attribute, else 16384); ``max_concurrent_batches`` how many batches overlap; ``max_batch_chunks``
+    the most chunks one transfer batch takes (None: everything queued; a request of more goes alone):
+    a batch's requests finish together, so under many large loads a cap lets the first finish first;
     ``executor_threads`` the threads running backend calls (more overlap more transfers, but every
     thread converting arguments contends with the loop for the GIL, so the loop's lag grows with them:
     the default, 2, keeps it well below what 4 cause; existence checks and address computation have a
@@ -89,6 +91,7 @@ class KVWorker:
         chunk_tokens: int | None = None,
         max_regions_per_call: int | None = None,
         max_concurrent_batches: int = 2,
+        max_batch_chunks: int | None = None,
         executor_threads: int = 2,
         pressure_backoff_s: float = 1.0,
         close_backend: bool = False,
@@ -105,6 +108,9 @@ class KVWorker:
         check_layouts_reachable(checked_layouts, backend, traits.supports_device_memory)
         backoff_s = check_backoff(pressure_backoff_s)
         self._max_batches = as_positive_int(max_concurrent_batches, "max_concurrent_batches")
+        self._max_batch_chunks = (
+            None if max_batch_chunks is None else as_positive_int(max_batch_chunks, "max_batch_chunks")
+        )
         self._threads = as_positive_int(executor_threads, "executor_threads")
         check_instance(close_backend, bool, "close_backend")
         check_instance(breaker, BreakerConfig, "breaker", optional=True)
@@ -210,7 +216,7 @@ class KVWorker:
             self._move(WorkerState.CLOSED)
             raise
         pipeline = BatchPipeline(self._config, self._tracker, lanes, self._stats, self._leases)
-        self._dispatcher = Dispatcher(pipeline, self._max_batches)
+        self._dispatcher = Dispatcher(pipeline, self._max_batches, self._max_batch_chunks)
         self._dispatcher.start()
         if guard is not None:
             guard.start()

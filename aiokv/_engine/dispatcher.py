@@ -20,12 +20,16 @@ RunBatch = Callable[[list[Request]], Awaitable[None]]
 
 
 class Dispatcher:
-    def __init__(self, pipeline: BatchPipeline, max_concurrent_batches: int) -> None:
+    def __init__(
+        self, pipeline: BatchPipeline, max_concurrent_batches: int, max_batch_chunks: int | None = None
+    ) -> None:
         self._run_transfers: RunBatch = pipeline.run_transfers
         self._run_lookups: RunBatch = pipeline.run_lookups
         self._answer_lookup_now = pipeline.answer_lookup_now
         self._settling = pipeline.settling
         self._max_batches = max_concurrent_batches
+        self._max_batch_chunks = max_batch_chunks
+        self._carried: Request | None = None  # drained past a full batch: the next batch's first
         self._transfers: asyncio.Queue[Request | None] = asyncio.Queue()
         self._lookups: asyncio.Queue[Request | None] = asyncio.Queue()
         self._dispatch_task: asyncio.Task[None] | None = None
@@ -81,11 +85,13 @@ class Dispatcher:
         slots = asyncio.Semaphore(self._max_batches)
         stopping = False
         while not stopping:
-            request = await self._transfers.get()
+            request, self._carried = self._carried, None
+            if request is None:
+                request = await self._transfers.get()
             await slots.acquire()
             await self._settling.ended()  # its callers resubmit as it settles them: take them all
             await _turns_until_callers_resubmit()
-            batch, stopping = _drain(self._transfers, request)
+            batch, stopping, self._carried = _drain(self._transfers, request, self._max_batch_chunks)
             if not batch:
                 slots.release()
                 continue
@@ -106,7 +112,7 @@ class Dispatcher:
             while not stopping:
                 request = await self._lookups.get()
                 taken = self._lookups.qsize() + 1
-                batch, stopping = _drain(self._lookups, request)
+                batch, stopping, _ = _drain(self._lookups, request, None)
                 if batch:
                     await self._run_lookups(batch)
                 # Answered; their callers wake two turns of the loop later (the future, the shield
@@ -134,15 +140,24 @@ async def _turns_until_callers_resubmit() -> None:
     await asyncio.sleep(0)
 
 
-def _drain(queue: asyncio.Queue[Request | None], first: Request | None) -> tuple[list[Request], bool]:
+def _drain(
+    queue: asyncio.Queue[Request | None], first: Request | None, max_chunks: int | None
+) -> tuple[list[Request], bool, Request | None]:
+    """Everything queued, from ``first`` on, up to ``max_chunks`` chunks (None: no bound; a request of
+    more goes alone): the batch, whether the stop mark was taken, and the request drained past a full
+    batch (the next batch's first)."""
     batch: list[Request] = []
     stopping = False
+    chunks = 0
     item = first
     while True:
         if item is None:
             stopping = True  # stop() enqueues the stop mark after the last request
         elif not item.finished:
+            if max_chunks is not None and batch and chunks + item.num_chunks > max_chunks:
+                return batch, stopping, item
             batch.append(item)
+            chunks += item.num_chunks
         if queue.empty():
-            return batch, stopping
+            return batch, stopping, None
         item = queue.get_nowait()

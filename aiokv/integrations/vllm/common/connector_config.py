@@ -93,6 +93,7 @@ class ConnectorConfig:
     store_timeout_s: float = 60.0
     setup_retries: int = 2
     executor_threads: int = 1
+    max_batch_chunks: int | None = None
     verify_values: bool = True
     decline_slow_loads: bool = False
 
@@ -193,6 +194,11 @@ class ConnectorConfig:
             store_timeout_s=float(_positive(extra, "store_timeout_s", 60.0)),
             setup_retries=_positive(extra, "setup_retries", 2, integer=True),
             executor_threads=_positive(extra, "executor_threads", 1, integer=True),
+            max_batch_chunks=(
+                None
+                if extra.get("max_batch_chunks") is None
+                else _positive(extra, "max_batch_chunks", 1, integer=True)
+            ),
             verify_values=key_format == "aiokv" and _bool(extra, "verify_values", True),
             decline_slow_loads=_bool(extra, "decline_slow_loads", False),
         )

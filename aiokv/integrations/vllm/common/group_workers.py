@@ -64,6 +64,7 @@ class GroupWorkers:
         *,
         chunk_tokens: int,
         executor_threads: int,
+        max_batch_chunks: int | None = None,
         lease_budgets: Sequence[LeaseBudget] | None = None,
         wrap: Callable[[int, Any], Any] | None = None,
     ) -> None:
@@ -88,6 +89,7 @@ class GroupWorkers:
                         namespace=namespace,
                         chunk_tokens=chunk_tokens,
                         executor_threads=executor_threads,
+                        max_batch_chunks=max_batch_chunks,
                         lease_budget=budget,
                     )
                 )

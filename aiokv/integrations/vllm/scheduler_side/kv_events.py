@@ -180,12 +180,17 @@ class ConnectorEvents:
                 tail_end = int(request.num_prompt_tokens)
             first = spec.first_chunks[0] if spec.first_chunks else 0
             for index, digest in enumerate(spec.prompt.hashes):
+                # A chunk the store was announced to hold needs no payload again (a loaded prompt's
+                # chunks are stored again: most of a hit's stores), unless the engine's tier admits it.
+                ordered = self.store is not None and index >= first and digest not in self._announced
+                if self.tier is None and not ordered:
+                    continue
                 chunk = self._chunk(request, spec.offset + index, end=tail_end)
                 if chunk is None:
                     continue
                 if self.tier is not None:
                     self._staged[digest] = chunk
-                if self.store is not None and index >= first:  # the workers store the group's chunks
+                if ordered:  # the workers store the group's chunks
                     self._order_store(digest, chunk)
         self._ended.clear()
 

@@ -123,6 +123,7 @@ class WorkerSide:
                     wrap=functools.partial(self._verifying, layouts) if self.config.verify_values else None,
                     chunk_tokens=self.chunk_tokens,
                     executor_threads=self.config.executor_threads,
+                    max_batch_chunks=self.config.max_batch_chunks,
                 )
             if self.config.host_tier:  # this rank's host tier, in front of the store if any (tier_worker)
                 behind = self._groups.workers[0] if self._groups is not None else None
