@@ -9,12 +9,15 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from aiokv import KeyNamespace, KVLayout, MemoryBackend, ThreadedKVWorker, chunk_hashes
 from aiokv.testing import FaultInjectingBackend, PagedCache, same_blocks
@@ -148,3 +151,22 @@ def hold_loop(worker: ThreadedKVWorker) -> threading.Event:
     worker._loop.call_soon_threadsafe(hold)
     assert held.wait(SAFETY_TIMEOUT_S)
     return release
+
+
+@contextlib.contextmanager
+def read_only_directory(parent: Path) -> Iterator[Path]:
+    """A directory this process may not write, under ``parent`` (writable again afterwards); the test
+    is skipped where the user bypasses directory permissions (root outside a user namespace)."""
+    locked = parent / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        try:
+            (locked / "probe").touch()
+        except PermissionError:
+            pass
+        else:
+            pytest.skip("this user bypasses directory permissions (root)")
+        yield locked
+    finally:
+        locked.chmod(0o700)

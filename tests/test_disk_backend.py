@@ -33,6 +33,7 @@ from aiokv.backends.disk_format import ALIGN, TEMP_DIR, VERSION, file_bytes, key
 from aiokv.backends.disk_io import probe_direct
 from aiokv.backends.disk_transfer import DiskTransfer
 from aiokv.testing import SENTINEL, PagedCache, same_blocks
+from tests.helpers import read_only_directory
 
 from .helpers import TWO_GROUP_SPECS, TWO_GROUPS_CHUNK_TOKENS, prompt
 
@@ -757,20 +758,11 @@ def test_threads_putting_and_getting_under_eviction(store_dir: Path) -> None:
 
 
 def test_a_read_only_directory_is_refused(tmp_path: Path) -> None:
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    locked.chmod(0o500)
-    try:
-        try:
-            (locked / "probe").touch()
-        except PermissionError:
-            pass
-        else:
-            pytest.skip("this user bypasses directory permissions (root); the errno case below covers it")
-        with pytest.raises(PermissionError, match=re.escape(str(locked))):
-            DiskBackend(locked)
-    finally:
-        locked.chmod(0o700)
+    with (
+        read_only_directory(tmp_path) as locked,
+        pytest.raises(PermissionError, match=re.escape(str(locked))),
+    ):
+        DiskBackend(locked)
 
 
 @pytest.mark.parametrize("code", [errno.EACCES, errno.EROFS])

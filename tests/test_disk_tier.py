@@ -20,6 +20,7 @@ from aiokv.integrations.vllm.worker_side.tier_stores import DiskTierError, disk_
 from aiokv.integrations.vllm.worker_side.tier_worker import TierWorker
 from aiokv.keys import HashedPrompt, KeyNamespace
 from aiokv.testing.paged_cache import GroupCache
+from tests.helpers import read_only_directory
 from tests.test_host_tier import (
     BLOCK_LEN,
     BLOCK_SIZE,
@@ -229,20 +230,9 @@ def test_disk_keys_are_checked_at_start(tmp_path: Path) -> None:
 
 
 def test_a_read_only_directory_is_refused(tmp_path: Path) -> None:
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    locked.chmod(0o500)
-    try:
-        try:
-            (locked / "probe").touch()
-        except PermissionError:
-            pass
-        else:
-            pytest.skip("this user bypasses directory permissions (root)")
+    with read_only_directory(tmp_path) as locked:
         with pytest.raises(ValueError, match=re.escape(f"['disk_path'] {locked} is not writable")):
             config(disk_path=str(locked))
-    finally:
-        locked.chmod(0o700)
 
 
 def test_the_index_keeps_restored_chunks_within_its_budget() -> None:
