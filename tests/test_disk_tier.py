@@ -230,9 +230,11 @@ def test_disk_keys_are_checked_at_start(tmp_path: Path) -> None:
 
 
 def test_a_read_only_directory_is_refused(tmp_path: Path) -> None:
-    with read_only_directory(tmp_path) as locked:
-        with pytest.raises(ValueError, match=re.escape(f"['disk_path'] {locked} is not writable")):
-            config(disk_path=str(locked))
+    with (
+        read_only_directory(tmp_path) as locked,
+        pytest.raises(ValueError, match=re.escape(f"['disk_path'] {locked} is not writable")),
+    ):
+        config(disk_path=str(locked))
 
 
 def test_the_index_keeps_restored_chunks_within_its_budget() -> None:
