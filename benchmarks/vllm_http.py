@@ -181,53 +181,50 @@ def build_prompts(args: argparse.Namespace) -> tuple[dict[int, list[int]], list[
     return prefixes, clients
 
 
-def _process_tree_cpu_seconds(root: int) -> float:
-    """User + system CPU seconds of ``root`` and its descendants so far (Linux ``/proc``)."""
-    ticks = os.sysconf("SC_CLK_TCK")
+def _stat_cpu_seconds(stat: str) -> float:
+    """User + system CPU seconds from a ``/proc/.../stat`` line."""
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _process_tree(root: int) -> list[int]:
+    """``root`` and its descendants (Linux ``/proc``)."""
     children: dict[int, list[int]] = {}
-    stats: dict[int, float] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(entry))
-            stats[int(entry)] = (int(fields[11]) + int(fields[12])) / ticks
-    total, pending = 0.0, [root]
-    while pending:
-        pid = pending.pop()
-        total += stats.get(pid, 0.0)
-        pending += children.get(pid, [])
-    return total
-
-
-def _thread_cpu_seconds(root: int) -> dict[str, float]:
-    """CPU seconds so far of every thread under ``root``, summed by process and thread name
-    (``/proc/PID/task/TID``: ``"VLLM::EngineCor/aiokv-transfer"``...)."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    parents: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError):
-                parents[int(entry)] = int(
-                    Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]
-                )
+                parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+                children.setdefault(parent, []).append(int(entry))
     tree, pending = [], [root]
     while pending:
         pid = pending.pop()
         tree.append(pid)
-        pending += [child for child, parent in parents.items() if parent == pid]
+        pending += children.get(pid, [])
+    return tree
+
+
+def _process_tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of ``root`` and its descendants so far (exited threads included)."""
+    total = 0.0
+    for pid in _process_tree(root):
+        with contextlib.suppress(OSError):
+            total += _stat_cpu_seconds(Path(f"/proc/{pid}/stat").read_text())
+    return total
+
+
+def _thread_cpu_seconds(root: int) -> dict[str, float]:
+    """CPU seconds so far of every live thread under ``root``, summed by process and thread name
+    (``/proc/PID/task/TID``: ``"VLLM::EngineCor/aiokv-transfer"``...)."""
     out: dict[str, float] = {}
-    for pid in tree:
+    for pid in _process_tree(root):
         with contextlib.suppress(OSError):
             process = Path(f"/proc/{pid}/comm").read_text().strip()
             for task in os.listdir(f"/proc/{pid}/task"):
                 with contextlib.suppress(OSError):
                     stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
                     name = stat[stat.index("(") + 1 : stat.rindex(")")]
-                    fields = stat.rsplit(")", 1)[1].split()
                     key = f"{process}/{name.rstrip('0123456789_-')}"
-                    out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / ticks
+                    out[key] = out.get(key, 0.0) + _stat_cpu_seconds(stat)
     return out
 
 
