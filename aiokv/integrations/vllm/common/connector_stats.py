@@ -13,6 +13,8 @@ from typing import Any
 from prometheus_client import Counter, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
+from .stats_reporter import TIER_LEVEL_COUNTERS
+
 COUNTERS = {
     "store_requests": "Store requests submitted to aiokv",
     "load_requests": "Load requests submitted to aiokv",
@@ -30,6 +32,7 @@ COUNTERS = {
     "host_tier_bytes_written": "Bytes written into the host-memory tier (stores and promotions)",
     "host_tier_evictions": "Chunks dropped from the host-memory tier to make room",
     "host_tier_promotions": "Chunks loaded from the store behind the host tier and written into it",
+    **{f"host_tier_{key}": text for key, text in TIER_LEVEL_COUNTERS.items()},
     "chunks_verify_failed": "Chunks read whole whose checksum, key or fingerprint did not match (recomputed)",
     "declined_requests": "Requests whose hit was (partly) not loaded: recomputing was expected to be faster",
     "declined_tokens": "Hit tokens recomputed instead of loaded (all reasons)",

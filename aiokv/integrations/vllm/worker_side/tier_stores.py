@@ -15,6 +15,10 @@ Budget: the scheduler's index charges each chunk its file's bytes (the value in 
 page of header, as long as a key fits in it: checked here), and the DiskBackend evicts only when a
 write would pass its capacity (both watermarks 1.0). So among this engine's values the index alone
 decides what is dropped, as it does for the memory tier.
+
+``memory_cache_capacity`` puts a memory level in front of each rank's disk (its share of it): a
+:class:`~aiokv.backends.memory_disk.MemoryDiskBackend`, whose listing, presence and budget are the
+disk's, so the scheduler's index tracks the disk unchanged; the memory level starts empty.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import xxhash
 
 from ....backends.disk import DiskBackend
 from ....backends.disk_format import ALIGN, data_offset, encode_key
+from ....backends.memory_disk import MemoryDiskBackend
 from ....errors import BackendError
 from ....keys import KeyNamespace
 from ....layout import KVLayout
@@ -49,19 +54,24 @@ def disk_namespace(namespace: KeyNamespace, fingerprint: bytes) -> KeyNamespace:
 
 
 def open_disk_store(
-    config: ConnectorConfig, rank: int, capacity: int, prefix: str
-) -> tuple[DiskBackend, dict[str, int]]:
-    """Rank ``rank``'s DiskBackend of ``capacity`` bytes, and the chunks it holds under ``prefix``
-    (digest -> value bytes, least recently used first). :class:`DiskTierError` naming ``disk_path``
-    when the directory cannot be used (not a directory, not writable, another engine's)."""
+    config: ConnectorConfig, rank: int, capacity: int, prefix: str, memory_capacity: int = 0
+) -> tuple[DiskBackend | MemoryDiskBackend, dict[str, int]]:
+    """Rank ``rank``'s DiskBackend of ``capacity`` bytes (behind ``memory_capacity`` bytes of memory if
+    positive), and the chunks it holds under ``prefix`` (digest -> value bytes, least recently used
+    first). :class:`DiskTierError` naming ``disk_path`` when the directory cannot be used (not a
+    directory, not writable, another engine's)."""
     if data_offset(len(encode_key(prefix)) + _DIGEST_ROOM) > ALIGN:
         raise DiskTierError(
             f"the disk tier's keys ({prefix!r} and a digest) must fit a {ALIGN}-byte file header: "
             "shorten kv_connector_extra_config['model_name'] or 'cache_prefix'"
         )
     path = os.path.join(str(config.disk_path), f"rank-{rank}")
+    store: DiskBackend | MemoryDiskBackend
     try:
-        store = DiskBackend(path, capacity, high_watermark=1.0, low_watermark=1.0)
+        if memory_capacity > 0:
+            store = MemoryDiskBackend(path, capacity, memory_capacity, high_watermark=1.0, low_watermark=1.0)
+        else:
+            store = DiskBackend(path, capacity, high_watermark=1.0, low_watermark=1.0)
     except (ValueError, OSError, BackendError) as exc:
         raise DiskTierError(
             f"kv_connector_extra_config['disk_path'] {config.disk_path}: rank {rank}: {exc}"
@@ -75,9 +85,10 @@ def open_disk_store(
     found = {key[len(prefix) :]: size for key, size in held}
     others = len(store) - len(found)
     logger.info(
-        "aiokv: disk tier of rank %d in %s: %d chunk(s) of this engine found (reported to the scheduler)%s",
+        "aiokv: disk tier of rank %d in %s%s: %d chunk(s) of this engine found (reported to the scheduler)%s",
         rank,
         path,
+        f" behind {memory_capacity} bytes of memory" if memory_capacity > 0 else "",
         len(found),
         f"; {others} value(s) of other engines or layouts left, evicted first when room is needed"
         if others
@@ -108,7 +119,10 @@ def open_tier_worker(
     store, found = None, None
     if config.disk_tier:
         namespace = disk_namespace(namespace, fingerprint)
-        store, found = open_disk_store(config, rank, capacity, namespace.prefix(layout.fingerprint, 0))
+        memory = config.memory_cache_capacity // ranks
+        store, found = open_disk_store(
+            config, rank, capacity, namespace.prefix(layout.fingerprint, 0), memory
+        )
     return TierWorker(
         layout,
         namespace,

@@ -31,12 +31,13 @@ from typing import Any, TypeVar
 
 from ....backends.base import Backend
 from ....backends.memory import MemoryBackend
+from ....backends.memory_disk import MemoryDiskBackend
 from ....keys import HashedPrompt, KeyNamespace
 from ....layout import KVLayout
 from ....results import LoadResult, StoreResult
 from ....threaded import ThreadedKVWorker
 from ..common.chained_futures import copy_outcome
-from ..common.stats_reporter import TIER_COUNTERS
+from ..common.stats_reporter import TIER_COUNTERS, TIER_LEVEL_COUNTERS
 from ..common.wire import TierReport, TierStep
 from .chunk_movers import ChunkRequest
 
@@ -333,10 +334,12 @@ class TierWorker:
         counters["hits"] = local["chunks"].get("loaded", 0)
         counters["bytes_read"] = local["bytes"].get("get", 0)
         counters["bytes_written"] = local["bytes"].get("put", 0)
+        levels = self.store.stats() if isinstance(self.store, MemoryDiskBackend) else {}
         return {
             **main,
             "host_tier": {
                 **{key: counters.get(key, 0) for key in TIER_COUNTERS},
+                **{key: value for key, value in levels.items() if key in TIER_LEVEL_COUNTERS},
                 "used_bytes": self.store.used_bytes,
                 "chunks": len(self.store),
                 "capacity_bytes": self.store.capacity_bytes,
