@@ -283,6 +283,33 @@ def test_a_sliding_window_group_reads_the_window_before_the_hit() -> None:
     assert full.window_first_chunk(15, 128) == 0
 
 
+def test_layer_groups_cut_the_layers_into_runs_and_are_checked() -> None:
+    from aiokv.integrations.vllm.common.connector_config import ConnectorConfig
+    from aiokv.integrations.vllm.common.from_vllm import check_tiers_fit
+    from aiokv.integrations.vllm.common.geometry import EngineGeometry, KVGeometry, layer_slices
+
+    full = KVGeometry(
+        tuple(f"l{i}" for i in range(5)), block_size=16, page_bytes=4, dtype="bf16", is_mla=False
+    )
+    runs = layer_slices(full, 2)
+    assert [run.layer_names for run in runs] == [("l0", "l1", "l2"), ("l3", "l4")]
+    assert sum(run.block_bytes for run in runs) == full.block_bytes
+    assert layer_slices(full, 1) == (full,)
+    for wrong in ({"layer_groups": 0}, {"layer_groups": 2.5}):
+        with pytest.raises(ValueError, match="'layer_groups'"):
+            ConnectorConfig.from_extra_config(wrong)
+    for extra in ({"backend": "tiered"}, {"backend": "disk", "disk_path": "/tmp"}, {"key_format": "vllm"}):
+        with pytest.raises(ValueError, match="layer_groups"):
+            ConnectorConfig.from_extra_config({"layer_groups": 2, **extra})
+    config = ConnectorConfig.from_extra_config({"layer_groups": 5})
+    check_tiers_fit(config, EngineGeometry((full,)))
+    with pytest.raises(ValueError, match="more than the model's 5 layers"):
+        check_tiers_fit(ConnectorConfig.from_extra_config({"layer_groups": 6}), EngineGeometry((full,)))
+    window = KVGeometry(("w0",), block_size=16, page_bytes=4, dtype="bf16", is_mla=False, sliding_window=64)
+    with pytest.raises(ValueError, match="one attention KV cache group"):
+        check_tiers_fit(config, EngineGeometry((full, window)))
+
+
 def test_aiokv_keys_chain_whole_chunks_of_block_hashes() -> None:
     from aiokv.integrations.vllm.common.block_keys import hashed_prompt
     from aiokv.integrations.vllm.common.connector_config import ConnectorConfig

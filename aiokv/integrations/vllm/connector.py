@@ -133,10 +133,15 @@ class AiokvConnector(KVConnectorBase_V1, SupportsHMA):
         self._work().start_load_kv(_meta(self._get_connector_metadata()))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # whole-request loads: start_load_kv (sync) or the scheduler (async) waits
+        # Called before every attention layer: nothing to do unless chunks move per layer group.
+        worker = self._worker
+        if worker is not None and worker.layerwise:
+            worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
-        return  # stores are submitted once per step, in wait_for_save
+        worker = self._worker
+        if worker is not None and worker.layerwise:
+            worker.save_kv_layer(layer_name, _meta(self._get_connector_metadata()))
 
     def wait_for_save(self) -> None:
         self._work().wait_for_save(_meta(self._get_connector_metadata()))

@@ -8,6 +8,7 @@ nothing re-hashes tokens here. ``"aiokv"`` chains ``chunk_blocks`` block hashes 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,7 @@ from ....keys import HashedPrompt, KeyNamespace
 from ....layout import KVLayout
 from .amx import amx_tiles_supported
 from .connector_config import ConnectorConfig
-from .geometry import EngineGeometry, KVGeometry
+from .geometry import EngineGeometry, KVGeometry, layer_slices
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,28 @@ def key_namespace(
         pp_rank=pp_rank,
         share_across_tp=geometry.is_mla,
     )
+
+
+def moved_groups(
+    vllm_config: Any, config: ConnectorConfig, geometry: EngineGeometry, *, tp_rank: int, pp_rank: int
+) -> list[tuple[KVGeometry, KeyNamespace]]:
+    """What one aiokv worker each moves, with its keys' namespace: the engine's KV cache groups, or
+    with ``layer_groups`` > 1 the runs of layers of its one group (:func:`.geometry.layer_slices`),
+    each run's keys naming it, so a chunk is ``layer_groups`` keys."""
+    if config.layer_groups <= 1:
+        return [
+            (
+                group,
+                key_namespace(vllm_config, config, geometry, tp_rank=tp_rank, pp_rank=pp_rank, group=index),
+            )
+            for index, group in enumerate(geometry.groups)
+        ]
+    namespace = key_namespace(vllm_config, config, geometry, tp_rank=tp_rank, pp_rank=pp_rank)
+    runs = layer_slices(geometry.groups[0], config.layer_groups)
+    return [
+        (run, dataclasses.replace(namespace, model=f"{namespace.model}@layers{index}of{len(runs)}"))
+        for index, run in enumerate(runs)
+    ]
 
 
 def value_fingerprint(

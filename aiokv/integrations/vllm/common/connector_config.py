@@ -86,6 +86,7 @@ class ConnectorConfig:
     memory_capacity: int = 1 << 30
     disk_path: str | None = None
     disk_capacity: int = 64 << 30
+    memory_cache_capacity: int = 0  # host memory caching the disk tier; 0: none
     lookup_timeout_s: float = 5.0
     lookup_wait_s: float = 0.02
     idle_wait_s: float = 0.002
@@ -94,6 +95,9 @@ class ConnectorConfig:
     setup_retries: int = 2
     executor_threads: int = 1
     max_batch_chunks: int | None = None
+    # Keys per chunk, one per run of consecutive layers: > 1 moves a chunk layer group by layer group
+    # (synchronous loads overlap the forward, stores leave during it).
+    layer_groups: int = 1
     verify_values: bool = True
     decline_slow_loads: bool = False
 
@@ -173,6 +177,19 @@ class ConnectorConfig:
                 f"kv_connector_extra_config['disk_capacity'] must be positive, got {disk_capacity}"
             )
         disk_path = checked_disk_path(extra.get("disk_path"), backend) if backend in DISK_BACKENDS else None
+        memory_cache = parse_size(extra.get("memory_cache_capacity", 0), "memory_cache_capacity")
+        if memory_cache < 0 or (memory_cache and backend not in DISK_BACKENDS):
+            raise ValueError(
+                "kv_connector_extra_config['memory_cache_capacity'] must be >= 0 and applies to the "
+                f"backends {DISK_BACKENDS} only, got {memory_cache} with backend {backend!r}"
+            )
+        layer_groups = _positive(extra, "layer_groups", 1, integer=True)
+        if layer_groups > 1 and (key_format == "vllm" or (backend != "mooncake" and ":" not in backend)):
+            raise ValueError(
+                f"kv_connector_extra_config['layer_groups'] {layer_groups} needs key_format 'aiokv' and "
+                f"a store without a host tier (backend 'mooncake' or 'module:factory'), got key_format "
+                f"{key_format!r}, backend {backend!r}"
+            )
         return cls(
             backend=backend,
             mooncake_config=mooncake,
@@ -187,6 +204,7 @@ class ConnectorConfig:
             memory_capacity=memory_capacity,
             disk_path=disk_path,
             disk_capacity=disk_capacity,
+            memory_cache_capacity=memory_cache,
             lookup_timeout_s=float(_positive(extra, "lookup_timeout_s", 5.0)),
             lookup_wait_s=float(_positive(extra, "lookup_wait_s", 0.02)),
             idle_wait_s=float(_non_negative(extra, "idle_wait_s", 0.002)),
@@ -199,6 +217,7 @@ class ConnectorConfig:
                 if extra.get("max_batch_chunks") is None
                 else _positive(extra, "max_batch_chunks", 1, integer=True)
             ),
+            layer_groups=layer_groups,
             verify_values=key_format == "aiokv" and _bool(extra, "verify_values", True),
             decline_slow_loads=_bool(extra, "decline_slow_loads", False),
         )

@@ -129,3 +129,13 @@ def check_tiers_fit(config: ConnectorConfig, geometry: EngineGeometry) -> None:
             f"{', '.join(group.kind for group in geometry.groups)}): use backend 'mooncake', or disable "
             "vLLM's hybrid allocator"
         )
+    if config.layer_groups > 1 and (geometry.hybrid or geometry.has_state):
+        raise ValueError(
+            "AiokvConnector layer_groups > 1 supports models with one attention KV cache group; this "
+            f"model has {', '.join(group.kind for group in geometry.groups)}: leave layer_groups at 1"
+        )
+    if config.layer_groups > geometry.groups[0].num_layers:
+        raise ValueError(
+            f"AiokvConnector layer_groups {config.layer_groups} is more than the model's "
+            f"{geometry.groups[0].num_layers} layers"
+        )

@@ -7,6 +7,7 @@ a guessed layout would mean wrong KV.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -111,6 +112,22 @@ class EngineGeometry:
     def has_state(self) -> bool:
         """Whether a group holds linear-attention / Mamba states (:mod:`.state_geometry`)."""
         return any(group.is_state for group in self.groups)
+
+
+def layer_slices(group: KVGeometry, count: int) -> tuple[KVGeometry, ...]:
+    """``group`` cut into ``count`` runs of consecutive layers (the first ones one layer longer when
+    the layers do not divide evenly): each run is keyed and moved apart, so a forward can start on
+    the first layers while later ones still load. ``count`` 1: the group itself."""
+    if count <= 1:
+        return (group,)
+    names = group.layer_names
+    base, extra = divmod(len(names), count)
+    out, start = [], 0
+    for index in range(count):
+        stop = start + base + (index < extra)
+        out.append(dataclasses.replace(group, layer_names=names[start:stop]))
+        start = stop
+    return tuple(out)
 
 
 def usable_from(block_ids: Sequence[int], chunk_blocks: int) -> int:

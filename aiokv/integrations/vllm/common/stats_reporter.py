@@ -14,6 +14,20 @@ from ....errors import WorkerClosedError
 
 # The host tier's own counters, reported next to the worker's.
 TIER_COUNTERS = ("hits", "bytes_read", "bytes_written", "evictions", "promotions")
+# A disk tier with a memory level in front (memory_cache_capacity): each level's own, as Prometheus
+# documents them (``vllm:aiokv_host_tier_<name>_total``).
+TIER_LEVEL_COUNTERS = {
+    "memory_hits": "Chunks loaded from the memory level in front of the disk tier",
+    "memory_bytes_read": "Bytes loaded from the memory level in front of the disk tier",
+    "memory_bytes_written": "Bytes copied into the memory level (stores and promotions)",
+    "memory_evictions": "Chunks dropped from the memory level to make room (the disk keeps them)",
+    "memory_promotions": "Chunks loaded from the disk tier and copied into its memory level",
+    "memory_verify_failed": "Memory-level copies that failed their checksum (read from the disk instead)",
+    "disk_hits": "Chunks loaded from the disk tier's files",
+    "disk_bytes_read": "Bytes loaded from the disk tier's files",
+    "disk_bytes_written": "Bytes written into the disk tier's files",
+    "disk_evictions": "Chunks the disk tier evicted to make room",
+}
 
 
 class StatsSource(Protocol):
@@ -48,7 +62,7 @@ def connector_counters(stats: dict[str, Any]) -> dict[str, float]:
         **{
             f"host_tier_{key}": value
             for key, value in stats.get("host_tier", {}).items()
-            if key in TIER_COUNTERS
+            if key in TIER_COUNTERS or key in TIER_LEVEL_COUNTERS
         },
         "chunks_verify_failed": stats["backend_errors"].get(int(Code.VERIFY_FAILED), 0),
     }
@@ -97,3 +111,14 @@ class StatsReporter:
             with contextlib.suppress(WorkerClosedError):  # closing: nothing more to report
                 self._pending = self._worker.stats_soon()
         return report
+
+
+def add_counters(total: dict[str, Any], counters: Mapping[str, Any]) -> None:
+    """Add ``counters`` (nested dicts of numbers) into ``total``; anything else keeps its first value."""
+    for key, value in counters.items():
+        if isinstance(value, Mapping):
+            add_counters(total.setdefault(key, {}), value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and key in total:
+            total[key] += value
+        else:
+            total.setdefault(key, value)

@@ -23,17 +23,19 @@ from typing import Any
 
 from ....backends.verified import VerifiedBackend
 from ..common.backend_handles import acquire_backend, at_exit, release_backend, safe_call
-from ..common.block_keys import key_namespace, value_fingerprint
+from ..common.block_keys import moved_groups, value_fingerprint
 from ..common.connector_config import ConnectorConfig
 from ..common.from_vllm import engine_layout
 from ..common.geometry import EngineGeometry
 from ..common.group_workers import GroupWorkers
-from ..common.stats_reporter import CounterDeltas, StatsReporter
+from ..common.stats_reporter import CounterDeltas, StatsReporter, add_counters
 from ..common.step_metadata import AiokvConnectorMetadata, AiokvHandshakeMetadata, AiokvWorkerMetadata
 from ..common.wire import TransferSpec
 from .chunk_movers import ChunkMover
+from .layerwise_mover import LayerwiseMover
 from .load_meter import LoadMeter
 from .load_outcomes import LoadOutcomes
+from .step_transfers import chunk_requests, submit_step, warn_if_failed
 from .store_confirmations import store_confirmations
 from .tier_stores import DiskTierError, open_tier_worker
 from .tier_worker import TierWorker
@@ -42,24 +44,6 @@ from .transfer_waits import wait_all
 logger = logging.getLogger("aiokv.vllm")
 
 _STATS_INTERVAL_S = 1.0
-
-
-def _warn_if_failed(req_id: str, future: concurrent.futures.Future[Any]) -> None:
-    """A store's future is done: a failure here is a refusal or an error, not a failed chunk (those
-    are in the result)."""
-    if not future.cancelled() and (exc := future.exception()) is not None:
-        logger.warning("aiokv: store for %s failed (%s)", req_id, exc)
-
-
-def _add_counters(total: dict[str, Any], counters: Mapping[str, Any]) -> None:
-    """Add ``counters`` (nested dicts of numbers) into ``total``; anything else keeps its first value."""
-    for key, value in counters.items():
-        if isinstance(value, Mapping):
-            _add_counters(total.setdefault(key, {}), value)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and key in total:
-            total[key] += value
-        else:
-            total.setdefault(key, value)
 
 
 class WorkerSide:
@@ -72,10 +56,9 @@ class WorkerSide:
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.tp_rank = int(get_tensor_model_parallel_rank())
         pp_rank = int(get_pp_group().rank_in_group)
-        self.namespaces = [
-            key_namespace(vllm_config, config, geometry, tp_rank=self.tp_rank, pp_rank=pp_rank, group=group)
-            for group in range(len(geometry.groups))
-        ]
+        # What each aiokv worker moves: a KV cache group, or a run of its layers (layer_groups > 1).
+        self.moved = moved_groups(vllm_config, config, geometry, tp_rank=self.tp_rank, pp_rank=pp_rank)
+        self.namespaces = [namespace for _, namespace in self.moved]
         # MLA: the KV is the same on every TP rank; one rank writes the shared key, all read it.
         self.writes = not (geometry.is_mla and self.tp_rank != 0)
         self.chunk_tokens = config.chunk_blocks * geometry.block_size
@@ -83,6 +66,9 @@ class WorkerSide:
         self._verified: list[VerifiedBackend] = []  # over it, one per group, when values are verified
         # One aiokv worker per KV cache group: a sliding-window group moves fewer chunks than the others.
         self._groups: GroupWorkers | None = None
+        # layer_groups > 1: the group's chunks move layer group by layer group (:mod:`.layerwise_mover`).
+        self._layers: LayerwiseMover | None = None
+        self._layerwise_loads: list[str] = []  # this step's synchronous loads, waited for per layer group
         self._on_cuda = False
         # Connector-level events, for tests and logs (the worker's own counters are in stats()).
         self.events: Counter[str] = Counter()
@@ -102,7 +88,7 @@ class WorkerSide:
 
     def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
         pages = self.config.key_format == "vllm"  # a state group's values then are vLLM's: whole pages
-        shapes = self.geometry.groups
+        shapes = [group for group, _ in self.moved]
         layouts = [engine_layout(kv_caches, g, self.chunk_tokens, whole_state_pages=pages) for g in shapes]
         first = next(iter(kv_caches.values()))
         self._on_cuda = first.device.type == "cuda"
@@ -125,6 +111,10 @@ class WorkerSide:
                     executor_threads=self.config.executor_threads,
                     max_batch_chunks=self.config.max_batch_chunks,
                 )
+                if self.config.layer_groups > 1:
+                    self._layers = LayerwiseMover(
+                        self._groups.workers, [group.layer_names for group in shapes]
+                    )
             if self.config.host_tier:  # this rank's host tier, in front of the store if any (tier_worker)
                 behind = self._groups.workers[0] if self._groups is not None else None
                 self.tier = open_tier_worker(
@@ -159,7 +149,7 @@ class WorkerSide:
                 on_cuda=self._on_cuda,
             )
         at_exit(self.shutdown)
-        for group, layout in zip(self.geometry.groups, layouts, strict=True):
+        for group, layout in zip(shapes, layouts, strict=True):
             logger.info(
                 "aiokv: KV cache registered (%s group: %d layers x %d blocks of %d bytes, %d tokens per key, "
                 "values %s)",
@@ -173,7 +163,7 @@ class WorkerSide:
 
     def _verifying(self, layouts: list[Any], group: int, backend: Any) -> VerifiedBackend:
         """Group ``group``'s view of the store, its values verified under the group's own fingerprint."""
-        namespace, geometry = self.namespaces[group], self.geometry.groups[group]
+        geometry, namespace = self.moved[group]
         fingerprint = value_fingerprint(self.vllm_config, namespace, geometry, layouts[group])
         # The shared backend is released (and closed) by its owner, not by the wrapper.
         verified = VerifiedBackend(backend, fingerprint, close_inner=False)
@@ -223,6 +213,8 @@ class WorkerSide:
     def start_load_kv(self, meta: AiokvConnectorMetadata) -> None:
         if self.tier is not None:
             self.tier.apply(meta.tier)  # the host tier's drops and admits come before the step's transfers
+        if self._layers is not None:
+            self._layers.new_step()
         wanted = [spec for spec in meta.loads if spec.prompt.hashes]
         futures = dict(zip((spec.req_id for spec in wanted), self._submit("load", wanted), strict=True))
         for spec in meta.loads:
@@ -233,14 +225,50 @@ class WorkerSide:
                 groups = [group for group, ids in enumerate(spec.block_ids) if ids]
                 requested = sum(len(spec.block_ids[g]) * self.geometry.groups[g].block_bytes for g in groups)
                 self.meter.load_submitted(submitted, groups, requested)
-        if meta.sync_loads and meta.loads:
+        if meta.sync_loads and meta.loads and self._layers is not None:
+            # The forward reads these blocks in this step, each layer once its layer group is in.
+            self._layerwise_loads = [spec.req_id for spec in meta.loads]
+        elif meta.sync_loads and meta.loads:
             # The forward reads these blocks in this step.
             for spec in meta.loads:
                 self._loads.finish(spec.req_id, wait=True)
             if self.meter is not None:
                 self.meter.sync_loads_done()  # the forward starts after them
 
+    @property
+    def layerwise(self) -> bool:
+        """Whether chunks move layer group by layer group (``layer_groups`` > 1, a store connected)."""
+        return self._layers is not None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Before ``layer_name``'s attention reads its KV: its layer group's synchronous loads are in."""
+        if self._layers is None or not self._layerwise_loads:
+            return
+        waited = self._layers.wait_for_layer(layer_name)
+        if waited and self.meter is not None:
+            self.meter.exclude(waited)  # the engine's compute rate must not count the waits
+
+    def save_kv_layer(self, layer_name: str, meta: AiokvConnectorMetadata) -> None:
+        """``layer_name``'s KV of this step is written: a layer group complete leaves for the store."""
+        if self._layers is None or not meta.stores or not self.writes:
+            return
+        if self._on_cuda:
+            import torch
+
+            torch.cuda.current_stream().synchronize()  # the layer's KV must be written before it is read
+        requests = functools.partial(chunk_requests, meta.stores, 0)
+        self._layers.layer_written(layer_name, lambda: requests()[1], timeout=self.config.store_timeout_s)
+
+    def _finish_layerwise_loads(self) -> None:
+        """The forward is over: a load whose layers it never waited for (none read them) is waited for
+        now, and every one's failures are recorded before they are reported."""
+        loads, self._layerwise_loads = self._layerwise_loads, []
+        for req_id in loads:
+            self._loads.finish(req_id, wait=True)
+
     def wait_for_save(self, meta: AiokvConnectorMetadata) -> None:
+        if self._layerwise_loads:
+            self._finish_layerwise_loads()
         if self.meter is not None:
             self.meter.forward_ended(meta.scheduled_tokens)
         if not meta.stores:
@@ -256,7 +284,7 @@ class WorkerSide:
             if self.confirmations is not None:
                 self.confirmations.watch(spec, futures)
             for future in futures or ():
-                future.add_done_callback(functools.partial(_warn_if_failed, spec.req_id))
+                future.add_done_callback(functools.partial(warn_if_failed, spec.req_id))
                 self._stores[spec.req_id].append(future)
             if futures:
                 self.events["stores_submitted"] += 1
@@ -264,34 +292,8 @@ class WorkerSide:
     def _submit(
         self, kind: str, specs: list[TransferSpec]
     ) -> list[list[concurrent.futures.Future[Any]] | None]:
-        """All of a step's loads or stores in one call per KV cache group, handed to aiokv's loop without
-        waiting for it (waiting, once per request, stalled the engine's step a millisecond or more
-        each): per spec, the futures of the groups it moves chunks of; None for each if refused."""
-        if not self._workers or not specs:
-            return [None] * len(specs)
-        out: list[list[concurrent.futures.Future[Any]]] = [[] for _ in specs]
-        try:
-            for group, worker in enumerate(self._workers):
-                moving = [index for index, spec in enumerate(specs) if spec.block_ids[group]]
-                requests = [(specs[i].group_prompt(group), [list(specs[i].block_ids[group])]) for i in moving]
-                if not requests:
-                    continue
-                submitted: list[concurrent.futures.Future[Any]] = list(
-                    worker.load_many(requests, timeout=self.config.load_timeout_s)
-                    if kind == "load"
-                    else worker.store_many(requests, timeout=self.config.store_timeout_s)
-                )
-                for index, future in zip(moving, submitted, strict=True):
-                    out[index].append(future)
-        except Exception as exc:
-            logger.warning("aiokv: %d %s(s) refused (%s)", len(specs), kind, exc)
-            if kind == "store":
-                # Futures of groups submitted before the refusal still touch the blocks: keep them.
-                return [group_futures or None for group_futures in out]
-            for group_futures in out:
-                wait_all(group_futures, f"{kind}s refused in part")  # a load's blocks are recomputed
-            return [None] * len(specs)
-        return list(out)
+        timeout = self.config.load_timeout_s if kind == "load" else self.config.store_timeout_s
+        return submit_step(kind, specs, self._workers, timeout)
 
     def get_finished(
         self, finished_req_ids: set[str], *, idle: bool = False
@@ -344,10 +346,10 @@ class WorkerSide:
         group it moves)."""
         total: dict[str, Any] = {}
         for delta in (reporter.delta() for reporter in self._stats):
-            _add_counters(total, delta or {})
+            add_counters(total, delta or {})
         if self._verified:
             read_ns = sum(v.verification_stats()["checksum_read_cpu_ns"] for v in self._verified)
-            _add_counters(total, self._verify_deltas.since_last({"verify_read_seconds": read_ns / 1e9}) or {})
+            add_counters(total, self._verify_deltas.since_last({"verify_read_seconds": read_ns / 1e9}) or {})
         return total or None
 
     def stats(self) -> dict[str, Any]:
@@ -356,9 +358,9 @@ class WorkerSide:
         for worker in self._workers:  # counters summed over the groups' workers
             worker_stats = worker.stats()
             worker_stats.pop("latency", None)
-            _add_counters(out, worker_stats)
+            add_counters(out, worker_stats)
         for verified in self._verified:
-            _add_counters(out.setdefault("verification", {}), verified.verification_stats())
+            add_counters(out.setdefault("verification", {}), verified.verification_stats())
         return out
 
     def flush(self, timeout: float | None = None) -> bool:
@@ -373,6 +375,7 @@ class WorkerSide:
         if self.tier is not None:  # closes the store's worker behind it too (a second close is a no-op)
             tier, self.tier = self.tier, None
             safe_call("closing the host tier", lambda: tier.close(timeout=30.0))
+        self._layers = None
         if self._groups is not None:
             groups, self._groups = self._groups, None
             groups.close()
@@ -388,7 +391,10 @@ class WorkerSide:
 
     @property
     def _workers(self) -> list[ChunkMover]:
-        """The worker moving each KV cache group's chunks: the host tier's, if there is one."""
+        """The worker moving each KV cache group's chunks: the host tier's, if there is one; the layer
+        groups' (as one), if chunks move layer group by layer group."""
         if self.tier is not None:
             return [self.tier]
+        if self._layers is not None:
+            return [self._layers]
         return list(self._groups.workers) if self._groups is not None else []

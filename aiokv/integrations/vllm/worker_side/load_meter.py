@@ -89,6 +89,12 @@ class LoadMeter:
         """A synchronous load ran before the forward: the forward begins now."""
         self.forward_begins()
 
+    def exclude(self, seconds: float) -> None:
+        """The forward waited ``seconds`` for a layer group's load: not the engine's compute time (on
+        CUDA the forward's events still span the wait)."""
+        if self._began is not None:
+            self._began += seconds
+
     def forward_ended(self, tokens: int) -> None:
         began, self._began = self._began, None
         if began is None or tokens <= 0:
