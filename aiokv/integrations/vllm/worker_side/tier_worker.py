@@ -36,7 +36,7 @@ from ....keys import HashedPrompt, KeyNamespace
 from ....layout import KVLayout
 from ....results import LoadResult, StoreResult
 from ....threaded import ThreadedKVWorker
-from ..common.chained_futures import copy_outcome
+from ..common.chained_futures import copy_outcome, when_all
 from ..common.stats_reporter import TIER_COUNTERS, TIER_LEVEL_COUNTERS
 from ..common.wire import TierReport, TierStep
 from .chunk_movers import ChunkRequest
@@ -50,34 +50,6 @@ def _settled(value: T) -> concurrent.futures.Future[T]:
     future: concurrent.futures.Future[T] = concurrent.futures.Future()
     future.set_result(value)
     return future
-
-
-def _when_all(
-    parts: Sequence[concurrent.futures.Future[Any]], finish: Callable[[], T]
-) -> concurrent.futures.Future[T]:
-    """A future settled by ``finish()`` once every part is done (its exception if it raises)."""
-    outer: concurrent.futures.Future[T] = concurrent.futures.Future()
-    remaining = [len(parts)]
-    lock = threading.Lock()
-
-    def settle() -> None:
-        try:
-            outer.set_result(finish())
-        except BaseException as exc:
-            outer.set_exception(exc)
-
-    def one_done(_: concurrent.futures.Future[Any]) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            settle()
-
-    if not parts:
-        settle()
-    for part in parts:
-        part.add_done_callback(one_done)
-    return outer
 
 
 def _chunks(prompt: HashedPrompt, blocks: Sequence[int], picked: Sequence[int]) -> ChunkRequest:
@@ -194,7 +166,7 @@ class TierWorker:
         for n, (prompt, _) in enumerate(requests):
             admitted = [prompt.hashes[i] for i in picks[n]]
             parts = [f for f in (local.get(n), behind.get(n)) if f is not None]
-            out.append(_when_all(parts, self._store_finisher(prompt, admitted, local.get(n), behind.get(n))))
+            out.append(when_all(parts, self._store_finisher(prompt, admitted, local.get(n), behind.get(n))))
         return out
 
     def _store_finisher(
@@ -235,7 +207,7 @@ class TierWorker:
         out = []
         for n, (prompt, _) in enumerate(requests):
             parts = [f for f in (local.get(n), remote.get(n)) if f is not None]
-            out.append(_when_all(parts, _merged_load(parts, prompt.chunk_tokens)))
+            out.append(when_all(parts, _merged_load(parts, prompt.chunk_tokens)))
         return out
 
     def _promoted(
@@ -353,7 +325,7 @@ class TierWorker:
     def stats_soon(self) -> concurrent.futures.Future[dict[str, Any]]:
         local = self.local.stats_soon()
         main = self.behind.stats_soon() if self.behind is not None else local
-        return _when_all([local, main], lambda: self._with_tier(main.result(), local.result()))
+        return when_all([local, main], lambda: self._with_tier(main.result(), local.result()))
 
     def close(self, timeout: float | None = None) -> None:
         try:
