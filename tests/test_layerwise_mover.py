@@ -129,3 +129,24 @@ def test_a_refused_layer_group_fails_the_request_after_the_others_finish(rig: di
         load.result(timeout=30)
     done, _ = concurrent.futures.wait([future, load], timeout=30)
     assert len(done) == 2
+
+
+def test_layer_groups_load_one_after_another_in_the_forwards_order(rig: dict[str, Any]) -> None:
+    """Sharing the store, concurrent loads would all land near the end: the second group's get starts
+    only once the first group's is done, so the first layers can compute meanwhile."""
+    mover, backend = rig["mover"], rig["backend"]
+    stored = request(13, [1, 2, 3])
+    for future in mover.store_many([stored]):
+        assert future.result(timeout=30).ok
+    mover.new_step()
+    with backend.blocked("get"):
+        (load,) = mover.load_many([(stored[0], [[7, 8, 9]])])
+        assert backend.entered("get").wait(30)
+        assert backend.count("get") == 1  # the first layer group's, held: the second waits for it
+        assert not load.done()
+    mover.wait_for_layer("l0")
+    mover.wait_for_layer("l3")
+    assert backend.count("get") == 2
+    keys = backend.sent_keys("get")
+    assert all("layers0of2" in key for key in keys[:3]) and all("layers1of2" in key for key in keys[3:])
+    assert load.result(timeout=30).ok

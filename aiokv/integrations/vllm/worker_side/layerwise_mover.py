@@ -5,9 +5,10 @@ of its own: a chunk is ``layer_groups`` keys. To the worker side this is one :cl
 engine's KV cache group: a request's load or store gets one future, done once every layer group's is,
 so nothing is reported finished while a layer group may still touch the blocks. Besides:
 
-- a synchronous load (scheduled in the step whose forward reads it) is waited for one layer group at
-  a time, :meth:`LayerwiseMover.wait_for_layer`, which vLLM's attention calls before each layer reads
-  its KV: layer 0 computes while later layer groups still load;
+- the layer groups of a load are read one after another, in the forward's order, so the first land
+  first; a synchronous load (scheduled in the step whose forward reads it) is waited for one layer
+  group at a time, :meth:`LayerwiseMover.wait_for_layer`, which vLLM's attention calls before each
+  layer reads its KV: layer 0 computes while later layer groups still load;
 - a step's stores leave layer group by layer group as the forward writes them
   (:meth:`LayerwiseMover.layer_written`, from ``save_kv_layer``), the rest in :meth:`store_many` at the
   end of the forward.
@@ -24,7 +25,7 @@ from typing import Any, TypeVar
 
 from ....results import LoadResult, StoreResult
 from ....threaded import ThreadedKVWorker
-from ..common.chained_futures import when_all
+from ..common.chained_futures import copy_outcome, when_all
 from ..common.stats_reporter import add_counters
 from .chunk_movers import ChunkRequest
 from .transfer_waits import wait_all
@@ -90,6 +91,10 @@ def _submitted(
         return failed
 
 
+def _settle(target: concurrent.futures.Future[R], source: concurrent.futures.Future[R]) -> None:
+    copy_outcome(source, target)
+
+
 class LayerwiseMover:
     """The workers of one KV cache group's layer groups (``workers[i]`` moves the layers
     ``layer_names[i]``, in the forward's order). The workers stay their owner's to close."""
@@ -117,11 +122,22 @@ class LayerwiseMover:
     def load_many(
         self, requests: Iterable[ChunkRequest], *, timeout: float | None = None
     ) -> list[concurrent.futures.Future[LoadResult]]:
+        """The layer groups' loads one after another, in the forward's order: sharing the store's
+        bandwidth, they would all land near the end; in turn, the first layers' land first."""
         requests = list(requests)
-        parts = [
-            _submitted(functools.partial(worker.load_many, requests, timeout=timeout), len(requests))
-            for worker in self._workers
+        parts: list[list[concurrent.futures.Future[LoadResult]]] = [
+            [concurrent.futures.Future() for _ in requests] for _ in self._workers
         ]
+
+        def submit(group: int) -> None:
+            load = functools.partial(self._workers[group].load_many, requests, timeout=timeout)
+            submitted = _submitted(load, len(requests))
+            for source, target in zip(submitted, parts[group], strict=True):
+                source.add_done_callback(functools.partial(_settle, target))
+            if group + 1 < len(self._workers):
+                when_all(submitted, lambda: None).add_done_callback(lambda _: submit(group + 1))
+
+        submit(0)
         for group, futures in enumerate(parts):
             self._loading[group].extend(futures)
         return [when_all(group_parts, merged_load(group_parts)) for group_parts in zip(*parts, strict=True)]
