@@ -9,6 +9,10 @@
   removed once. At the end the rebuilt index equals, chunk for chunk, what the scheduler's index holds
   (logged at DEBUG as the server stops), the events' block hashes mapped to aiokv's chunk digests as the
   connector derives them.
+- A restarted disk tier (``backend "disk"``, ``medium "STORAGE"``): a server stores prompts and is
+  stopped (SIGINT); a new server on the same ``disk_path`` announces every chunk it found, once, to a
+  fresh subscriber, then evicts some of them. The index that subscriber rebuilt from the new server's
+  events alone equals the scheduler's as it stops, and its first announcements are the found chunks.
 - The store behind the engine (``locality "REMOTE"``), in an in-process engine on the embedded store
   whose gets all fail (a key the store lists but cannot serve): every chunk is announced once the worker
   confirmed it; asked again, the load fails and its first chunk is announced removed; recomputed and
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -76,9 +80,10 @@ def events_config(endpoint: str) -> dict[str, Any]:
     return {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint, "topic": "kv"}
 
 
-def tier_events(socket: Any, quiet_s: float) -> Iterator[Any]:
-    """The BlockStored / BlockRemoved events of the connector's tiers (``medium "CPU"``, ``locality``
-    "LOCAL": the host tier, "REMOTE": the store behind), until none came for ``quiet_s``."""
+def tier_events(socket: Any, quiet_s: float, medium: str = "CPU") -> Iterator[Any]:
+    """The BlockStored / BlockRemoved events of the connector's tiers in ``medium`` ("CPU", ``locality``
+    "LOCAL": the host tier, "REMOTE": the store behind; "STORAGE": a disk tier), until none came for
+    ``quiet_s``."""
     import msgspec
     from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
@@ -86,7 +91,7 @@ def tier_events(socket: Any, quiet_s: float) -> Iterator[Any]:
     while socket.poll(int(quiet_s * 1000)):
         _topic, _seq, payload = socket.recv_multipart()
         for event in decoder.decode(payload).events:
-            if isinstance(event, (BlockStored, BlockRemoved)) and event.medium == "CPU":
+            if isinstance(event, (BlockStored, BlockRemoved)) and event.medium == medium:
                 yield event
 
 
@@ -99,6 +104,7 @@ class RebuiltTier:
         self.by_content: dict[tuple[Any, tuple[int, ...]], Any] = {}
         self.parents: dict[Any, Any] = {}
         self.stored = self.removed = 0
+        self.order: list[Any] = []  # hashes stored, in the order announced
         self.repeats: list[str] = []  # a store of a held hash, or a removal of one not held
 
     def apply(self, event: Any) -> None:
@@ -112,6 +118,7 @@ class RebuiltTier:
             if block_hash in self.held:
                 self.repeats.append(f"stored twice: {block_hash!r}")
             self.held.add(block_hash)
+            self.order.append(block_hash)
             self.stored += 1
             return
         for block_hash in event.block_hashes:
@@ -142,10 +149,11 @@ class RebuiltTier:
             held += 1
         return min(held * BLOCK, len(prompt))
 
-    def digests(self) -> set[str]:
-        """aiokv's digest of each held chunk: chained over the block hashes from its prompt's first."""
+    def digests(self, hashes: Iterable[Any] | None = None) -> set[str]:
+        """aiokv's digest of each held chunk (or of ``hashes``): chained over the block hashes from its
+        prompt's first."""
         out = set()
-        for block_hash in self.held:
+        for block_hash in self.held if hashes is None else hashes:
             chain = [block_hash]
             while (parent := self.parents[chain[-1]]) is not None:
                 chain.append(parent)
@@ -215,6 +223,48 @@ def test_events_rebuild_the_host_tier_chunk_for_chunk(tmp_path: Path) -> None:
     held = logged_tier(log_path.read_text(errors="replace"))
     assert len(held) == len(tier.held) <= 24
     assert tier.digests() == held
+
+
+def test_a_restarted_disk_tier_announces_what_it_found_once(tmp_path: Path) -> None:
+    """Server one stores PROMPTS (37 chunks, a tier of 40: nothing evicted) and stops; server two, on
+    the same directory, is asked A (found whole) then two prompts of its own (evicting found chunks)."""
+    require_vllm()
+    model = write_word_tokenizer(write_tiny_llama(tmp_path / "tiny-llama"))
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    # 40 chunks of 128 KiB, each with its file's header page.
+    kv = connector(
+        {"backend": "disk", "disk_path": str(disk), "disk_capacity": 40 * 132 * 1024, "chunk_blocks": 1}
+    )
+    env = {
+        "PYTHONPATH": str(ROOT),
+        "VLLM_LOGGING_CONFIG_PATH": str(logging_config(tmp_path / "log.json")),
+        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0",
+    }
+    logs = [tmp_path / "first.log", tmp_path / "second.log"]
+    tiers = [RebuiltTier(), RebuiltTier()]
+    for log_path, tier, prompts in zip(
+        logs, tiers, [PROMPTS.values(), [A, tokens(26, 800), tokens(27, 600)]], strict=True
+    ):
+        with subscriber() as (socket, endpoint):
+            args = ("--kv-events-config", json.dumps(events_config(endpoint)), "--shutdown-timeout", "30")
+            with running_server(model, log_path, kv_transfer_config=kv, env=env, extra_args=args) as server:
+                for prompt in [*prompts, None]:  # events drained before each request, and at the end
+                    for event in tier_events(socket, QUIET_S, "STORAGE"):
+                        tier.apply(event)
+                    if prompt is not None:
+                        server.complete(prompt, max_tokens=2, logprobs=None)
+    first, second = tiers
+    found = logged_tier(logs[0].read_text(errors="replace"))
+    assert len(found) == 37 and first.digests() == found and first.removed == 0
+    log = logs[1].read_text(errors="replace")
+    assert "KV events: 37 chunk(s) the disk tier held at start announced; 0 not announceable" in log
+    assert not second.repeats, second.repeats[:5]
+    restart = second.order[:37]
+    assert second.digests(restart) == found  # the restart's, first, each once
+    assert all(second.parents[h] in (None, *restart[:i]) for i, h in enumerate(restart))  # parents first
+    assert second.removed > 0  # found chunks evicted, and announced removed
+    assert second.digests() == logged_tier(log)
 
 
 def engine_with_events(

@@ -21,7 +21,7 @@ import numpy as np
 from ....keys import HashedPrompt
 from ....leases import LeaseBudget
 from ..common.backend_handles import acquire_backend, at_exit, release_backend
-from ..common.block_keys import hashed_prompt, key_namespace
+from ..common.block_keys import hashed_prompt, moved_groups
 from ..common.connector_config import ConnectorConfig
 from ..common.geometry import EngineGeometry
 from ..common.group_workers import GroupWorkers
@@ -81,16 +81,16 @@ class SchedulerSide:
         self._backend = (
             acquire_backend(self.engine_id, config, pure_client=not in_process) if config.remote else None
         )
-        # One lookup client per KV cache group: a hit is as long as every group can serve.
+        # One lookup client per KV cache group (per layer group with layer_groups > 1): a hit is as
+        # long as every one can serve.
+        moved = moved_groups(vllm_config, config, geometry, tp_rank=0, pp_rank=0)
+        self._looked_up = [group for group, _ in moved]
         self._groups: GroupWorkers | None = None
         if self._backend is not None and self.can_load:
             self._groups = GroupWorkers(
-                [group.lookup_layout(self._scratch, self.chunk_tokens) for group in geometry.groups],
+                [group.lookup_layout(self._scratch, self.chunk_tokens) for group in self._looked_up],
                 self._backend,
-                [
-                    key_namespace(vllm_config, config, geometry, tp_rank=0, pp_rank=0, group=index)
-                    for index in range(len(geometry.groups))
-                ],
+                [namespace for _, namespace in moved],
                 chunk_tokens=self.chunk_tokens,
                 executor_threads=1,
                 # Not the default (the lookup layout is one scratch page). Distinct chunks (a prompt
@@ -98,7 +98,7 @@ class SchedulerSide:
                 # waiting to be scheduled, or aborted before their load.
                 lease_budgets=[
                     LeaseBudget(max_bytes=LOOKUP_LEASE_CACHES * cache_blocks * group.block_bytes)
-                    for group in geometry.groups
+                    for group in self._looked_up
                 ],
             )
         self._clients: list[LookupClient] = list(self._groups.workers) if self._groups is not None else []
@@ -123,7 +123,7 @@ class SchedulerSide:
         self._chunk_bytes = sum(g.chunk_bytes(config.chunk_blocks) for g in geometry.groups)
         # Linear-attention / Mamba groups: their states are asked for, stored and loaded apart.
         self._states = StateGroups(geometry, config)
-        self._attention = [g for g, group in enumerate(geometry.groups) if not group.is_state]
+        self._attention = [g for g, group in enumerate(self._looked_up) if not group.is_state]
         # Prompts' last partial blocks (:mod:`.prompt_tails`), stored once their requests end.
         self._tails = PromptTails(vllm_config, config, geometry)
         self._stores = StepStores(config, self.block_size, self._tails, self._states)
@@ -207,7 +207,7 @@ class SchedulerSide:
                 future.cancel()
             return _Hit(lookup.prompt, 0)
         try:
-            groups = [self.geometry.groups[g] for g in self._attention]
+            groups = [self._looked_up[g] for g in self._attention]
             clients = [self._clients[g] for g in self._attention]
             wait = self.config.lookup_wait_s
             if lookup.window is None and lookup.ask_windows(groups, clients, self.chunk_tokens, wait):
@@ -330,6 +330,8 @@ class SchedulerSide:
         for handshake in handshakes:
             if self._tier is not None and getattr(handshake, "tier", None) is not None:
                 self._tier.on_output(handshake.tier, ())
+                if self._events is not None:
+                    self._events.on_found(handshake.tier)  # a restart's chunks, announced from the journal
 
     def request_finished(self, request: Any, group_block_ids: Sequence[Sequence[int]]) -> bool:
         """Whether the blocks must wait: a store of this request (its prompt's tail, ordered here for
@@ -373,6 +375,8 @@ class SchedulerSide:
     def shutdown(self) -> None:
         if self._tier is not None:
             self._tier.log_contents()
+        if self._events is not None:
+            self._events.close()
         for lookup in self._lookups.values():
             for future in lookup.pending():
                 future.cancel()
