@@ -5,7 +5,9 @@ dict: the file system under ``DIR`` (type, device, whether it takes ``O_DIRECT``
 get GB/s and CPU seconds per GB (the whole process: user and system time) for values whose regions
 are page-aligned (moved in place) and for regions that are not (moved through the staging buffer),
 and ``dd``'s sequential write and read of the same bytes in value-sized blocks, with ``oflag=direct``
-/ ``iflag=direct`` where the file system takes them.
+/ ``iflag=direct`` where the file system takes them. ``memory_level``: the same values through
+``MemoryDiskBackend`` (a memory level holding them all in front of the disk): put, a first get from the
+disk (each value promoted into memory), a second get from memory (``get2``).
 
 Each value is ``--regions`` regions of a source buffer, the regions of different values interleaved
 (as a KV cache's per-layer pages are), so no value is one contiguous range. Gets start cold: written
@@ -33,6 +35,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from aiokv import MemoryDiskBackend
 from aiokv.backends.disk import DiskBackend
 from aiokv.backends.disk_format import ALIGN, file_bytes
 
@@ -103,6 +106,20 @@ def run(
                 )
                 for layout, skew in (("aligned", 0), ("unaligned", UNALIGNED_SKEW))
             }
+        # The memory level in front (MemoryDiskBackend): gets from the disk promote, the next ones hit
+        # memory; the level holds every value.
+        # The gets run on a restarted backend: its memory level starts empty.
+        memory = count * value_bytes + (64 << 20)
+        levels_dir = os.path.join(work, "levels")
+
+        def restarted(old: DiskBackend | MemoryDiskBackend) -> MemoryDiskBackend:
+            old.close()
+            return MemoryDiskBackend(levels_dir, capacity, memory, direct_io=direct_io)
+
+        levels = MemoryDiskBackend(levels_dir, capacity, memory, direct_io=direct_io)
+        results["memory_level"] = _measure_backend(
+            levels, count, value_bytes, regions, keys_per_call, threads, 0, cached, gets=2, restart=restarted
+        )
         results["dd"] = _measure_dd(work, count, value_bytes, direct=results["direct_io"], cached=cached)
         return results
     finally:
@@ -110,7 +127,7 @@ def run(
 
 
 def _measure_backend(
-    backend: DiskBackend,
+    backend: DiskBackend | MemoryDiskBackend,
     count: int,
     value_bytes: int,
     regions: int,
@@ -118,7 +135,13 @@ def _measure_backend(
     threads: int,
     skew: int,
     cached: bool,
+    *,
+    gets: int = 1,
+    restart: Callable[[DiskBackend | MemoryDiskBackend], DiskBackend | MemoryDiskBackend] | None = None,
 ) -> dict[str, float | bool]:
+    """Put every value, then get every value ``gets`` times (the page cache of the files dropped
+    first: a get reads the device, or the memory level); ``restart``: the backend closed and opened
+    again between the puts and the gets (it is then closed here)."""
     piece = value_bytes // regions
     src = _buffer(SLOTS * value_bytes + skew)
     dst = _buffer(SLOTS * value_bytes + skew)
@@ -149,9 +172,16 @@ def _measure_backend(
 
     try:
         put_s, put_cpu = _timed(lambda: calls(src, backend.batch_put))
+        if restart is not None:
+            for buf in (src, dst):
+                backend.unregister_buffer(int(buf.ctypes.data))
+            backend = restart(backend)
+            for buf in (src, dst):
+                backend.register_buffer(int(buf.ctypes.data), buf.nbytes)
         if cached:
             _drop_cache(backend.directory)
         get_s, get_cpu = _timed(lambda: calls(dst, backend.batch_get))
+        again = [_timed(lambda: calls(dst, backend.batch_get)) for _ in range(gets - 1)]
         last = count - 1
         loaded = all(
             np.array_equal(src[a - int(src.ctypes.data) :][:piece], dst[b - int(dst.ctypes.data) :][:piece])
@@ -161,14 +191,20 @@ def _measure_backend(
     finally:
         for buf in (src, dst):
             backend.unregister_buffer(int(buf.ctypes.data))
+        if restart is not None:
+            backend.close()
     gigabytes = count * value_bytes / 1e9
-    return {
+    figures: dict[str, float | bool] = {
         "put_gbps": round(gigabytes / put_s, 3),
         "put_cpu_s_per_gb": round(put_cpu / gigabytes, 3),
         "get_gbps": round(gigabytes / get_s, 3),
         "get_cpu_s_per_gb": round(get_cpu / gigabytes, 3),
         "loaded_bytes_checked": loaded,
     }
+    for n, (seconds, cpu) in enumerate(again, start=2):
+        figures[f"get{n}_gbps"] = round(gigabytes / seconds, 3)
+        figures[f"get{n}_cpu_s_per_gb"] = round(cpu / gigabytes, 3)
+    return figures
 
 
 def _measure_dd(work: str, count: int, value_bytes: int, *, direct: bool, cached: bool) -> dict[str, Any]:
