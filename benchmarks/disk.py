@@ -207,6 +207,45 @@ def _measure_backend(
     return figures
 
 
+def restart_scan(
+    directory: str, chunks: int, value_bytes: int = 4096, *, keys_per_call: int = 256
+) -> dict[str, Any]:
+    """What a restart costs: ``chunks`` values of ``value_bytes`` written by one DiskBackend, closed,
+    the files' cached pages dropped, then a new DiskBackend opened on the directory (its index rebuilt
+    from the files' headers) and timed, wall and CPU; the values it found counted."""
+    work = tempfile.mkdtemp(prefix="aiokv-disk-restart-", dir=directory)
+    try:
+        path = os.path.join(work, "store")
+        capacity = 2 * chunks * file_bytes(32, value_bytes)
+        src = _buffer(value_bytes)
+        src[:] = 7
+        with DiskBackend(path, capacity) as backend:
+            backend.register_buffer(int(src.ctypes.data), src.nbytes)
+            for first in range(0, chunks, keys_per_call):
+                keys = [f"restart-{k:09d}" for k in range(first, min(chunks, first + keys_per_call))]
+                codes = backend.batch_put(
+                    keys, [[int(src.ctypes.data)]] * len(keys), [[value_bytes]] * len(keys)
+                )
+                if any(code < 0 for code in codes):
+                    raise RuntimeError(f"batch_put answered {codes}")
+            backend.unregister_buffer(int(src.ctypes.data))
+        _drop_cache(path)
+        opened: list[DiskBackend] = []
+        seconds, cpu = _timed(lambda: opened.append(DiskBackend(path, capacity)))
+        with opened[0] as backend:
+            found = len(backend)
+        return {
+            "file_system": file_system(work),
+            "chunks": chunks,
+            "value_bytes": value_bytes,
+            "found": found,
+            "open_s": round(seconds, 3),
+            "open_cpu_s": round(cpu, 3),
+        }
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def _measure_dd(work: str, count: int, value_bytes: int, *, direct: bool, cached: bool) -> dict[str, Any]:
     """``dd`` of the same bytes in value-sized blocks: from /dev/zero to a file, then back."""
     target = os.path.join(work, "dd.bin")
@@ -278,7 +317,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keys-per-call", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1, help="threads making the calls")
     parser.add_argument("--buffered", action="store_true", help="never O_DIRECT (backend and dd)")
+    parser.add_argument(
+        "--restart-chunks",
+        type=int,
+        metavar="N",
+        help="instead: write N small values, then time a new DiskBackend opening on them (a restart)",
+    )
     args = parser.parse_args(argv)
+    if args.restart_chunks:
+        print(json.dumps(restart_scan(args.directory, args.restart_chunks), indent=2))
+        return 0
     results = run(
         args.directory,
         total_bytes=args.total_mib << 20,
