@@ -32,12 +32,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 from ..codes import Code
-from ..errors import BackendError
 from ..tier_events import TierListener
+from ._call_gate import CallGate
 from ._regions import Regions, RegionTable, check_keys
 from .base import ClosingContext
 from .disk_format import TEMP_DIR, TEMP_SUFFIX, encode_key, file_name
@@ -106,8 +105,7 @@ class DiskBackend(ClosingContext):
         self._fsync = fsync
         self._temp_dir = os.path.join(self.directory, TEMP_DIR)
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)  # close() waits on it for calls in progress
-        self._active = 0
+        self._gate = CallGate(self._lock, "DiskBackend")
         self._index = DiskIndex(
             self.directory,
             capacity_bytes,
@@ -117,7 +115,6 @@ class DiskBackend(ClosingContext):
         )
         self._logged: set[str] = set()
         self._space = MappedSpace()
-        self._closed = False
         self._lock_fd = open_directory(self.directory)
         try:
             make_subdirectories(self.directory, self._temp_dir)
@@ -131,24 +128,23 @@ class DiskBackend(ClosingContext):
     # -- protocol -------------------------------------------------------------------------------
 
     def register_buffer(self, addr: int, size: int) -> None:
-        self._check_open()
+        self._gate.check_open()
         self._space.add(addr, size)
 
     def unregister_buffer(self, addr: int) -> None:
-        self._check_open()
+        self._gate.check_open()
         self._space.remove(addr)
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
         check_keys(keys)
         with self._lock:
-            if self._closed:
-                raise BackendError("DiskBackend is closed")
+            self._gate.check_open()
             return self._index.touch(keys)
 
     def batch_put(self, keys: Sequence[str], addrs: Regions, sizes: Regions) -> list[int]:
         check_keys(keys)
         table = RegionTable.from_arguments(keys, addrs, sizes)
-        with self._call():
+        with self._gate.call():
             space, valid = self._space.proven(table)
             totals = table.key_totals().tolist()
             codes = [OK if ok else INVALID for ok in valid.tolist()]
@@ -175,7 +171,7 @@ class DiskBackend(ClosingContext):
     def batch_get(self, keys: Sequence[str], addrs: Regions, sizes: Regions) -> list[int]:
         check_keys(keys)
         table = RegionTable.from_arguments(keys, addrs, sizes)
-        with self._call():
+        with self._gate.call():
             space, valid = self._space.proven(table)
             totals = table.key_totals().tolist()
             codes = [INVALID] * len(keys)
@@ -195,11 +191,8 @@ class DiskBackend(ClosingContext):
         """Wait for calls in progress, forget the index and the registered memory and release the
         directory; the files stay (a later ``DiskBackend`` on the directory finds them). Idempotent."""
         with self._lock:
-            if self._closed:
+            if not self._gate.shut():
                 return
-            self._closed = True
-            while self._active:
-                self._idle.wait()
             self._index.clear()
             self._space.unmap()
         os.close(self._lock_fd)  # releases the flock
@@ -214,7 +207,7 @@ class DiskBackend(ClosingContext):
         store grants no read leases, so every remove is forced.
         """
         check_keys(keys)
-        with self._call():
+        with self._gate.call():
             with self._lock:
                 codes, doomed = self._index.remove(keys)
             self._unlink(doomed)
@@ -249,13 +242,13 @@ class DiskBackend(ClosingContext):
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._gate.closed
 
     def __len__(self) -> int:
         return len(self._index.entries)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
+        state = "closed" if self._gate.closed else "open"
         return f"DiskBackend({self.directory!r}, capacity_bytes={self.capacity_bytes}, {state})"
 
     # -- one value -------------------------------------------------------------------------------
@@ -359,21 +352,6 @@ class DiskBackend(ClosingContext):
 
     # -- internals -------------------------------------------------------------------------------
 
-    @contextmanager
-    def _call(self) -> Iterator[None]:
-        """A call in progress: refused once closed, and waited for by close()."""
-        with self._lock:
-            if self._closed:
-                raise BackendError("DiskBackend is closed")
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._active -= 1
-                if not self._active:
-                    self._idle.notify_all()
-
     def _unlink(self, paths: list[str]) -> None:
         for path in paths:
             unlink_quietly(path)
@@ -386,7 +364,3 @@ class DiskBackend(ClosingContext):
             logger.warning(message, *args)
         else:
             logger.debug(message, *args)
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BackendError("DiskBackend is closed")

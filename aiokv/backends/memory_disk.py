@@ -30,8 +30,8 @@ from contextlib import contextmanager
 import numpy as np
 
 from ..codes import Code
-from ..errors import BackendError
 from ..tier_events import TierEvent, TierListener
+from ._call_gate import CallGate
 from ._copies import select_keys
 from ._regions import Regions, RegionTable, check_keys
 from .base import ClosingContext
@@ -85,9 +85,7 @@ class MemoryDiskBackend(ClosingContext):
         self._listener = listener
         # Lock order: the disk's (its listener) before this one, this one before the memory's.
         self._lock = threading.Lock()
-        self._idle = threading.Condition(self._lock)
-        self._active = 0
-        self._closed = False
+        self._gate = CallGate(self._lock, "MemoryDiskBackend")
         self._copies: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (bytes, xxh3-64), LRU first
         self._reading: Counter[str] = Counter()  # copies gets are reading: never evicted meanwhile
         # Per call copying into memory: key -> whether the disk still holds it (its events flip it).
@@ -108,25 +106,25 @@ class MemoryDiskBackend(ClosingContext):
     # -- protocol -------------------------------------------------------------------------------
 
     def register_buffer(self, addr: int, size: int) -> None:
-        self._check_open()
+        self._gate.check_open()
         self.disk.register_buffer(addr, size)
         self.memory.register_buffer(addr, size)
         self._space.add(addr, size)
 
     def unregister_buffer(self, addr: int) -> None:
-        self._check_open()
+        self._gate.check_open()
         self._space.remove(addr)
         self.memory.unregister_buffer(addr)
         self.disk.unregister_buffer(addr)
 
     def batch_exists(self, keys: Sequence[str]) -> list[bool]:
-        self._check_open()
+        self._gate.check_open()
         return self.disk.batch_exists(keys)
 
     def batch_put(self, keys: Sequence[str], addrs: Regions, sizes: Regions) -> list[int]:
         check_keys(keys)
         table = RegionTable.from_arguments(keys, addrs, sizes)
-        with self._call(), self._watching(keys) as watch:
+        with self._gate.call(), self._watching(keys) as watch:
             stored: set[str] = set()
             self._thread.stored = stored
             try:
@@ -141,7 +139,7 @@ class MemoryDiskBackend(ClosingContext):
     def batch_get(self, keys: Sequence[str], addrs: Regions, sizes: Regions) -> list[int]:
         check_keys(keys)
         table = RegionTable.from_arguments(keys, addrs, sizes)
-        with self._call():
+        with self._gate.call():
             codes = [NOT_FOUND] * len(keys)
             served = self._from_memory(table, keys, codes)
             rest = [k for k in range(len(keys)) if k not in served]
@@ -160,11 +158,8 @@ class MemoryDiskBackend(ClosingContext):
         """Wait for calls in progress, close the disk (its files stay) and drop the memory level.
         Idempotent."""
         with self._lock:
-            if self._closed:
+            if not self._gate.shut():
                 return
-            self._closed = True
-            while self._active:
-                self._idle.wait()
         self.disk.close()
         with self._lock:
             self.memory.close()
@@ -175,7 +170,7 @@ class MemoryDiskBackend(ClosingContext):
 
     def batch_remove(self, keys: Sequence[str], *, force: bool = False) -> list[int]:
         """Drop keys from both levels; ``NOT_FOUND`` for those the disk does not hold."""
-        self._check_open()
+        self._gate.check_open()
         return self.disk.batch_remove(keys, force=force)
 
     def listing(self, prefix: str = "") -> list[tuple[str, int]]:
@@ -215,13 +210,13 @@ class MemoryDiskBackend(ClosingContext):
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._gate.closed
 
     def __len__(self) -> int:
         return len(self.disk)
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else "open"
+        state = "closed" if self._gate.closed else "open"
         return (
             f"MemoryDiskBackend({self.disk.directory!r}, capacity_bytes={self.disk.capacity_bytes}, "
             f"memory_capacity_bytes={self.memory.capacity_bytes}, {state})"
@@ -358,25 +353,6 @@ class MemoryDiskBackend(ClosingContext):
         finally:
             with self._lock:
                 del self._watches[id(watch)]
-
-    @contextmanager
-    def _call(self) -> Iterator[None]:
-        """A call in progress: refused once closed, and waited for by close()."""
-        with self._lock:
-            if self._closed:
-                raise BackendError("MemoryDiskBackend is closed")
-            self._active += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._active -= 1
-                if not self._active:
-                    self._idle.notify_all()
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BackendError("MemoryDiskBackend is closed")
 
 
 def _regions(table: RegionTable) -> tuple[Regions, Regions]:
