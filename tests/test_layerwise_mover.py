@@ -150,3 +150,14 @@ def test_layer_groups_load_one_after_another_in_the_forwards_order(rig: dict[str
     keys = backend.sent_keys("get")
     assert all("layers0of2" in key for key in keys[:3]) and all("layers1of2" in key for key in keys[3:])
     assert load.result(timeout=30).ok
+
+
+def test_stores_of_a_forward_that_never_ended_are_waited_for_at_the_next_step(rig: dict[str, Any]) -> None:
+    mover = rig["mover"]
+    requests = [request(17, [1, 2])]
+    mover.layer_written("l0", lambda: requests)
+    mover.layer_written("l1", lambda: requests)  # the first group's stores leave; no store_many follows
+    mover.new_step()
+    assert mover.counters["layer_stores_unfinished_steps"] == 1
+    (future,) = mover.store_many(requests)  # a fresh step: every group submitted anew
+    assert future.result(timeout=30).failed == 0

@@ -143,8 +143,14 @@ class LayerwiseMover:
         return [when_all(group_parts, merged_load(group_parts)) for group_parts in zip(*parts, strict=True)]
 
     def new_step(self) -> None:
-        """A step begins: the loads of earlier steps are no forward's to wait for."""
+        """A step begins: the loads of earlier steps are no forward's to wait for. Stores a forward
+        started without ending (no ``store_many``) are waited for here: nothing else tracks them, and
+        their blocks may be reused from this step on."""
         self._loading = [[] for _ in self._workers]
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            self.counters["layer_stores_unfinished_steps"] += 1
+            wait_all([future for futures in staged[1] if futures for future in futures], "layer-wise stores")
 
     def wait_for_layer(self, layer_name: str) -> float:
         """Before ``layer_name`` reads its KV: wait for the step's loads of its layer group (loads of an
