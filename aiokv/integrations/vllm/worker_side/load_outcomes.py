@@ -10,10 +10,10 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
 from typing import Any
 
 from ....results import LoadResult
+from ..common.chained_futures import when_all
 from ..common.wire import TransferSpec
 from .transfer_waits import wait_all
 
@@ -41,7 +41,8 @@ class LoadOutcomes:
         nothing to load: its blocks are then failed)."""
         self._loads[spec.req_id] = (futures, spec)
         if futures:
-            _when_done(futures, functools.partial(self._load_done, spec.req_id))
+            # Stamped on the thread that finishes the last group's load.
+            when_all(futures, functools.partial(self._load_done, spec.req_id))
 
     def pending(self) -> list[concurrent.futures.Future[Any]]:
         """The futures of loads not done yet."""
@@ -105,19 +106,3 @@ class LoadOutcomes:
         """Every group's load of ``req_id`` is done (on aiokv's loop thread)."""
         with self._loads_done_lock:
             self._loads_done[req_id] = time.monotonic()
-
-
-def _when_done(futures: list[concurrent.futures.Future[Any]], then: Callable[[], None]) -> None:
-    """Call ``then()`` once every future in ``futures`` is done (on the thread finishing the last)."""
-    remaining = [len(futures)]
-    lock = threading.Lock()
-
-    def one_done(_: concurrent.futures.Future[Any]) -> None:
-        with lock:
-            remaining[0] -= 1
-            last = remaining[0] == 0
-        if last:
-            then()
-
-    for future in futures:
-        future.add_done_callback(one_done)
