@@ -185,6 +185,20 @@ def test_round_trip_every_byte(backend: DiskBackend, store_dir: Path, aligned: b
     assert (stats["hits"], stats["bytes_read"], stats["bytes_written"]) == (4, 4 * VALUE, 4 * VALUE)
 
 
+@pytest.mark.parametrize("size", [3 * ALIGN, 3 * ALIGN + 123], ids=["whole-pages", "partial-tail"])
+def test_a_value_of_one_aligned_region_round_trips(backend: DiskBackend, size: int) -> None:
+    # One page-aligned region is written in place (several are gathered into the staging buffer).
+    src, dst = aligned_bytes(4 * ALIGN), aligned_bytes(4 * ALIGN)
+    src[:] = np.random.default_rng(5).integers(0, 256, size=src.size, dtype=np.uint8)
+    dst[:] = SENTINEL
+    for buf in (src, dst):
+        backend.register_buffer(int(buf.ctypes.data), buf.nbytes)
+    assert backend.batch_put(["one"], [[int(src.ctypes.data)]], [[size]]) == [OK]
+    assert backend.batch_get(["one"], [[int(dst.ctypes.data)]], [[size]]) == [size]
+    assert np.array_equal(dst[:size], src[:size])
+    assert (dst[size:] == SENTINEL).all()
+
+
 def test_values_larger_than_the_staging_buffer(store_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A value moves through the staging buffer in several pieces (a region split across two of them).
     monkeypatch.setattr(disk_transfer, "STAGE_BYTES", 3 * ALIGN)
