@@ -17,6 +17,7 @@ Every module, in the order a store meets it:
 - :mod:`.plan`: decisions (skip present chunks, a load stops at its first hole) and the rows to move.
 - :mod:`.rewrite`: keys whose reads failed, removed and put again rather than skipped.
 - :mod:`.transfer`: per group, the regions, the admission of each call, the calls, the codes back.
+- :mod:`.early_loads`: a load settled as soon as its own calls have returned, not at its batch's end.
 - :mod:`.call_split`: a group's rows cut into backend calls within ``max_regions_per_call``.
 - :mod:`.lanes`: the threads (control, lookup, transfer) calls run on.
 - :mod:`.transfer_threads`: transfer threads that admit their next call themselves.

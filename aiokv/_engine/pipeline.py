@@ -12,7 +12,8 @@
 6. per-chunk codes from each answer (:mod:`.answers`), written into each request by the tracker;
 7. the keys whose puts answered success confirmed readable, waiting for another writer's write of
    them (:mod:`.confirm`); the tracker publishes the batch's outcomes and settles every request
-   (:mod:`.tracker`, the only writer of codes, outcomes and lifecycles).
+   (:mod:`.tracker`, the only writer of codes, outcomes and lifecycles); a load is settled earlier,
+   as soon as its own calls have returned (:mod:`.early_loads`).
 
 The bookkeeping is vectorised over chunks: per key only hashing, string building and one dict
 operation or two happen in Python. Every per-request or per-key loop yields to the loop within a
@@ -33,6 +34,7 @@ from .answers import PressureBackoff
 from .batch import Claims, Cycle, KeyArray, assign_positions
 from .config import EngineConfig
 from .confirm import WriteConfirmation
+from .early_loads import EarlyLoads
 from .exists import ExistenceCheck
 from .hashing import hash_now, hash_prompts
 from .lanes import Lane, Lanes
@@ -128,7 +130,8 @@ class BatchPipeline:
         record(kinds, Phase.SETTLE, time.perf_counter() - settling)
 
     async def _move(self, cycle: Cycle, plan: Plan) -> None:
-        await all_settled(self._transfer.run(cycle, g, rows) for g, rows in enumerate(plan) if rows)
+        early = await EarlyLoads.of(plan, self._tracker, self._unreadable)
+        await all_settled(self._transfer.run(cycle, g, rows, early) for g, rows in enumerate(plan) if rows)
 
     async def run_lookups(self, batch: list[Request]) -> None:
         cycle = Cycle.new()

@@ -25,6 +25,7 @@ from .answers import PressureBackoff, answer_codes, batch_error
 from .batch import Cycle
 from .call_split import Call, GroupRows, split_calls
 from .config import EngineConfig
+from .early_loads import EarlyLoads, GroupCountdown
 from .lanes import Admitted, Lane, Lanes
 from .plan import Rows
 from .replicas import RetryingGet, monotonic_deadline, replica_reader
@@ -81,9 +82,10 @@ class GroupTransfer:
         self._stats = stats
         self._backoff = backoff
 
-    async def run(self, cycle: Cycle, group: int, plan: list[Rows]) -> None:
+    async def run(self, cycle: Cycle, group: int, plan: list[Rows], early: EarlyLoads | None = None) -> None:
         """Rows are the chunks of ``plan`` back to back; calls write per-row codes into one array, so
-        a call costs a few NumPy operations however many requests its rows belong to."""
+        a call costs a few NumPy operations however many requests its rows belong to. ``early``: the
+        loads to settle as soon as their calls have returned (:mod:`.early_loads`)."""
         rows = await GroupRows.of(plan, group)
         row_codes = np.full(rows.size, Code.PENDING, dtype=np.int64)
         row_errors: list[tuple[IntArray, BaseException]] = []
@@ -94,12 +96,32 @@ class GroupTransfer:
         calls = split_calls(
             rows, region_batches, live_rows, config.max_regions_per_call, config.transfer_threads
         )
-        await all_settled(self._call(call, rows, row_codes, row_errors) for call in calls)
-        clock = LoopSlice()
+        entries_of_call = await _entries_of_calls(calls, rows)
         offsets = rows.offsets.tolist()
+        finished_early = np.zeros(len(plan), dtype=bool)
+        countdown: GroupCountdown | None = None
+        if early and not row_errors:
+            eligible = await early.eligible(plan, alive)
+            if eligible.any():
+
+                def finish(j: int, error: BaseException | None) -> None:
+                    entry = plan[j]
+                    finished_early[j] = True
+                    codes = row_codes[offsets[j] : offsets[j + 1]]
+                    self._tracker.set_codes(entry.request, group, entry.chunks, codes)
+                    if error is not None:
+                        self._tracker.fail(entry.request, error)
+                    early.entry_done(entry.request)
+
+                countdown = GroupCountdown(eligible, entries_of_call, finish)
+        await all_settled(
+            self._call(call, entries, rows, row_codes, row_errors, countdown)
+            for call, entries in zip(calls, entries_of_call, strict=True)
+        )
+        clock = LoopSlice()
         for j, r in enumerate(plan):
             await clock.tick()
-            if alive[j]:
+            if alive[j] and not finished_early[j]:
                 codes = row_codes[offsets[j] : offsets[j + 1]]
                 if r.op is Op.PUT:
                     self._tracker.set_store_codes(cycle, r.request, group, r.chunks, r.positions, codes)
@@ -108,7 +130,8 @@ class GroupTransfer:
         for failed_rows, error in row_errors:
             for j in np.unique(rows.plan_of_row[failed_rows]).tolist():
                 await clock.tick()
-                self._tracker.fail(plan[j].request, error)
+                if not finished_early[j]:  # those were failed as their calls returned
+                    self._tracker.fail(plan[j].request, error)
 
     async def _regions(
         self,
@@ -149,13 +172,31 @@ class GroupTransfer:
     async def _call(
         self,
         call: Call,
+        entries: IntArray,
         rows: GroupRows,
         row_codes: IntArray,
         row_errors: list[tuple[IntArray, BaseException]],
+        countdown: GroupCountdown | None,
     ) -> None:
+        """One backend call (carrying the rows of plan entries ``entries``), then its countdown."""
+        error: BaseException | None = None
+        try:
+            error = await self._one_call(call, entries, rows, row_codes, row_errors)
+        finally:
+            if countdown is not None:
+                countdown.call_returned(entries, error)
+
+    async def _one_call(
+        self,
+        call: Call,
+        entries: IntArray,
+        rows: GroupRows,
+        row_codes: IntArray,
+        row_errors: list[tuple[IntArray, BaseException]],
+    ) -> BaseException | None:
         """One backend call, started only once a transfer thread is free for it and only for the
         requests still going then; its answer becomes codes as it arrives, so the loop never handles
-        all calls at once."""
+        all calls at once. The error it added to ``row_errors``, if any."""
         admission: Admission | None = None
         retrying: RetryingGet | None = None
         tracker = self._tracker
@@ -178,7 +219,7 @@ class GroupTransfer:
                 lambda: tracker.end_call(requests),
             )
 
-        call_requests = [rows.plan[j].request for j in np.unique(rows.plan_of_row[call.rows]).tolist()]
+        call_requests = [rows.plan[j].request for j in entries.tolist()]
 
         def fast() -> Admitted[object] | None:
             """On the transfer thread, holding the tracker's lock: the whole call goes, or the loop
@@ -205,11 +246,12 @@ class GroupTransfer:
         except Exception as exc:
             if admission is None:  # terminate() failed it before it started
                 row_codes[call.rows] = Code.BACKEND_EXCEPTION
-                row_errors.append((call.rows, batch_error(f"batch_{call.op.value}", exc)))
-                return
+                failed = batch_error(f"batch_{call.op.value}", exc)
+                row_errors.append((call.rows, failed))
+                return failed
             answer = exc
         if admission is None or admission.call is None:
-            return
+            return None
         went = admission.call
         if retrying is not None and retrying.retried:
             self._stats.backend_calls[Op.REPLICA_GET] += 1
@@ -217,6 +259,17 @@ class GroupTransfer:
         row_codes[went.rows] = codes
         if error is not None:
             row_errors.append((went.rows, error))
+        return error
+
+
+async def _entries_of_calls(calls: list[Call], rows: GroupRows) -> list[IntArray]:
+    """Per call, the plan entries whose rows it carries (in slices: a group can make 1,000 calls)."""
+    clock = LoopSlice()
+    entries = []
+    for call in calls:
+        entries.append(np.unique(rows.plan_of_row[call.rows]))
+        await clock.tick()
+    return entries
 
 
 async def all_settled(coroutines: Iterable[Coroutine[Any, Any, None]]) -> None:

@@ -1,0 +1,117 @@
+"""A load is settled as soon as its own chunks have landed, not when the batch carrying it ends: two
+loads in one batch, the second's calls held at the backend, the first answers meanwhile, whole and
+right; then the second; a failing call settles its own load with the failure, not its neighbour."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+import aiokv
+from aiokv.testing import FaultInjectingBackend, FaultRule
+
+CHUNK = 64
+PROMPT = 4 * CHUNK  # four chunks a prompt
+WAIT_S = 10.0
+
+
+def _caches() -> list[np.ndarray]:
+    return [np.zeros((2, 64, 16, 8, 64), dtype=np.float16) for _ in range(2)]
+
+
+def _layout(caches: list[np.ndarray]) -> aiokv.KVLayout:
+    return aiokv.KVLayout.from_tensors(caches, block_size=16, block_dim=1)
+
+
+def _prompt(n: int) -> np.ndarray:
+    return np.arange(1000 * n, 1000 * n + PROMPT)
+
+
+def _blocks(first: int) -> list[np.ndarray]:
+    return [np.arange(first, first + PROMPT // 16)]
+
+
+async def _stored_backend() -> tuple[aiokv.MemoryBackend, list[set[str]], list[np.ndarray]]:
+    """Prompts 0 and 1 stored from random blocks; the keys each added, and the caches they came from."""
+    backend = aiokv.MemoryBackend()
+    recorded = FaultInjectingBackend(backend)
+    caches = _caches()
+    rng = np.random.default_rng(3)
+    for cache in caches:
+        cache[:] = rng.standard_normal(cache.shape).astype(np.float16)
+    keys_of: list[set[str]] = []
+    async with aiokv.KVWorker(_layout(caches), recorded, namespace="early", chunk_tokens=CHUNK) as worker:
+        for n in range(2):
+            before = set(recorded.sent_keys("put"))
+            assert (await worker.store(_prompt(n), _blocks(16 * n))).stored == 4
+            keys_of.append(set(recorded.sent_keys("put")) - before)
+    assert all(len(keys) == 4 for keys in keys_of)
+    return backend, keys_of, caches
+
+
+def _same_blocks(got: list[np.ndarray], want: list[np.ndarray], got_first: int, want_first: int) -> bool:
+    blocks = PROMPT // 16
+    return all(
+        np.array_equal(g[:, got_first : got_first + blocks], w[:, want_first : want_first + blocks])
+        for g, w in zip(got, want, strict=True)
+    )
+
+
+def _loading_worker(backend: FaultInjectingBackend, caches: list[np.ndarray]) -> aiokv.KVWorker:
+    # One key a call, one transfer thread: the batch's calls run one after another, prompt 0's first.
+    return aiokv.KVWorker(
+        _layout(caches),
+        backend,
+        namespace="early",
+        chunk_tokens=CHUNK,
+        max_regions_per_call=1,
+        executor_threads=1,
+    )
+
+
+@pytest.mark.asyncio
+async def test_a_load_answers_while_its_batch_still_moves_another() -> None:
+    inner, keys_of, stored = await _stored_backend()
+    gate = threading.Event()
+    backend = FaultInjectingBackend(
+        inner, rules=[FaultRule(op="get", keys=keys_of[1], hang=gate, max_hang_s=WAIT_S)]
+    )
+    caches = _caches()
+    async with _loading_worker(backend, caches) as worker:
+        batches = worker.stats()["batches"]
+        first, second = worker.load(_prompt(0), _blocks(0)), worker.load(_prompt(1), _blocks(16))
+        try:
+            result = await asyncio.wait_for(asyncio.shield(first), WAIT_S)
+            assert result.loaded_tokens == PROMPT
+            assert _same_blocks(caches, stored, 0, 0)
+            assert not second.done()  # its call still holds the blocks it is writing
+            assert worker.stats()["batches"] == batches + 1  # both in one batch
+        finally:
+            gate.set()
+        assert (await asyncio.wait_for(second, WAIT_S)).loaded_tokens == PROMPT
+        assert _same_blocks(caches, stored, 16, 16)
+
+
+@pytest.mark.asyncio
+async def test_a_failing_call_settles_its_own_load_only() -> None:
+    inner, keys_of, stored = await _stored_backend()
+    gate = threading.Event()
+    rules = [
+        FaultRule(op="get", keys=keys_of[0], code=-800),
+        FaultRule(op="get", keys=keys_of[1], hang=gate, max_hang_s=WAIT_S),
+    ]
+    backend = FaultInjectingBackend(inner, rules=rules)
+    caches = _caches()
+    async with _loading_worker(backend, caches) as worker:
+        first, second = worker.load(_prompt(0), _blocks(0)), worker.load(_prompt(1), _blocks(16))
+        try:
+            result = await asyncio.wait_for(asyncio.shield(first), WAIT_S)
+            assert result.loaded_tokens == 0
+            assert not second.done()
+        finally:
+            gate.set()
+        assert (await asyncio.wait_for(second, WAIT_S)).loaded_tokens == PROMPT
+        assert _same_blocks(caches, stored, 16, 16)
