@@ -1,6 +1,7 @@
 """A load is settled as soon as its own chunks have landed, not when the batch carrying it ends: two
 loads in one batch, the second's calls held at the backend, the first answers meanwhile, whole and
-right; then the second; a failing call settles its own load with the failure, not its neighbour."""
+right; then the second; a failing call settles its own load with the failure, not its neighbour; and
+large loads get calls of their own, so one call does not carry two of them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 import aiokv
+from aiokv._engine import call_split
 from aiokv.testing import FaultInjectingBackend, FaultRule
 
 CHUNK = 64
@@ -115,3 +117,25 @@ async def test_a_failing_call_settles_its_own_load_only() -> None:
             gate.set()
         assert (await asyncio.wait_for(second, WAIT_S)).loaded_tokens == PROMPT
         assert _same_blocks(caches, stored, 16, 16)
+
+
+@pytest.mark.asyncio
+async def test_large_loads_get_calls_of_their_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every load here counts as large; with the default call size one call would carry both.
+    monkeypatch.setattr(call_split, "LOAD_ALONE_BYTES", 1)
+    inner, keys_of, stored = await _stored_backend()
+    gate = threading.Event()
+    backend = FaultInjectingBackend(
+        inner, rules=[FaultRule(op="get", keys=keys_of[1], hang=gate, max_hang_s=WAIT_S)]
+    )
+    caches = _caches()
+    async with aiokv.KVWorker(_layout(caches), backend, namespace="early", chunk_tokens=CHUNK) as worker:
+        first, second = worker.load(_prompt(0), _blocks(0)), worker.load(_prompt(1), _blocks(16))
+        try:
+            assert (await asyncio.wait_for(asyncio.shield(first), WAIT_S)).loaded_tokens == PROMPT
+            assert not second.done()
+        finally:
+            gate.set()
+        assert (await asyncio.wait_for(second, WAIT_S)).loaded_tokens == PROMPT
+    assert sorted(sorted(call.keys) for call in backend.calls_of("get")) == sorted(sorted(k) for k in keys_of)
+    assert _same_blocks(caches, stored, 0, 0) and _same_blocks(caches, stored, 16, 16)

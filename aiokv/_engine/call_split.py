@@ -7,6 +7,7 @@ one piece (:func:`.transfer.admit`)."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +23,10 @@ from .slices import LoopSlice, pieces
 # ~2 us per request on the loop as a call starts, and again as it returns: ~1 ms at most, where 4,096
 # one-chunk requests in one call held the loop ~10 ms.
 REQUESTS_PER_CALL = 512
+# A load of at least this many bytes in a group gets calls of its own: it settles when its own bytes
+# are in (:mod:`.early_loads`), not with the other loads a shared call carries. Below it, loads share
+# calls: a call's fixed cost (~0.5 ms on Mooncake) stays under a few percent of its transfer.
+LOAD_ALONE_BYTES = 8 << 20
 
 
 @dataclass(slots=True)
@@ -113,18 +118,36 @@ def _calls(
         max_regions_per_call, addrs.shape[1], keys=rows.size, total_bytes=int(sizes.sum()), threads=threads
     )
     calls = []
-    for part in call_pieces(group_rows.plan_of_row[rows], per_call):
+    row_bytes = sizes.sum(axis=1) if op is Op.GET else None
+    for part in call_pieces(group_rows.plan_of_row[rows], per_call, row_bytes=row_bytes):
         rows_part = rows[part]
         calls.append(Call(op, rows_part, rows_of(group_rows.keys, rows_part), addrs[part], sizes[part]))
     return calls
 
 
-def call_pieces(plan_of_row: IntArray, per_call: int, max_requests: int = REQUESTS_PER_CALL) -> list[slice]:
+def call_pieces(
+    plan_of_row: IntArray,
+    per_call: int,
+    max_requests: int = REQUESTS_PER_CALL,
+    *,
+    row_bytes: IntArray | None = None,
+) -> list[slice]:
     """Consecutive pieces of the rows (``plan_of_row``: each row's plan entry, so its request), as
     long as allowed: at most ``per_call`` rows, and rows of at most ``max_requests`` runs of one
-    entry's rows (so of at most that many requests)."""
+    entry's rows (so of at most that many requests). ``row_bytes`` (loads): a run of at least
+    :data:`LOAD_ALONE_BYTES` shares no piece with another run."""
     count = plan_of_row.size
     run_starts = np.flatnonzero(np.diff(plan_of_row, prepend=-1) != 0)
+    if row_bytes is not None and run_starts.size > 1:
+        bounds = np.append(run_starts, count)
+        alone = np.add.reduceat(row_bytes, run_starts) >= LOAD_ALONE_BYTES
+        if alone.any():
+            cuts = np.unique(np.concatenate([[0, count], bounds[:-1][alone], bounds[1:][alone]])).tolist()
+            parts = []
+            for first, end in itertools.pairwise(cuts):
+                for piece in call_pieces(plan_of_row[first:end], per_call, max_requests):
+                    parts.append(slice(first + piece.start, first + piece.stop))
+            return parts
     if count <= per_call and run_starts.size <= max_requests:
         return [slice(0, count)]
     parts = []
