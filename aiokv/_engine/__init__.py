@@ -19,6 +19,7 @@ Every module, in the order a store meets it:
 - :mod:`.transfer`: per group, the regions, the admission of each call, the calls, the codes back.
 - :mod:`.early_loads`: a load settled as soon as its own calls have returned, not at its batch's end.
 - :mod:`.call_split`: a group's rows cut into backend calls within ``max_regions_per_call``.
+- :mod:`.shared_reads`: a key several loads of a batch read is read once, then copied in the same call.
 - :mod:`.lanes`: the threads (control, lookup, transfer) calls run on.
 - :mod:`.transfer_threads`: transfer threads that admit their next call themselves.
 - :mod:`.guard`: the circuit breaker in the worker (refusals on the loop, calls reported from threads).

@@ -18,6 +18,7 @@ from ..layout import RegionBatch
 from ..stats import Op
 from .batch import KeyArray, consecutive, rows_of
 from .plan import Rows
+from .shared_reads import first_readers
 from .slices import LoopSlice, pieces
 
 # ~2 us per request on the loop as a call starts, and again as it returns: ~1 ms at most, where 4,096
@@ -72,13 +73,16 @@ class GroupRows:
 
 @dataclass(slots=True)
 class Call:
-    """One backend batch call: its op, the rows it carries, their keys and regions."""
+    """One backend batch call: its op, the rows it carries, their keys and regions. ``copy_from``
+    (gets): per row, -1 for a row the backend reads, else the index of the row of the same key whose
+    bytes are copied into it once the get has returned (:mod:`.shared_reads`)."""
 
     op: Op
     rows: IntArray
     keys: KeyArray
     addrs: IntArray
     sizes: IntArray
+    copy_from: IntArray | None = None
 
 
 async def _joined(parts: list[KeyArray]) -> KeyArray:
@@ -91,18 +95,6 @@ async def _joined(parts: list[KeyArray]) -> KeyArray:
             await clock.tick()
         parts = joined
     return parts[0]
-
-
-def distinct_key_rounds(keys: KeyArray) -> list[slice] | list[IntArray]:
-    """Indexes of ``keys`` in rounds within which no key repeats: the k-th row of a key goes into
-    round k (one round, ``slice(None)``, when no key repeats: the usual case)."""
-    if len(set(keys)) == len(keys):
-        return [slice(None)]
-    seen: dict[str, int] = {}
-    rank = np.empty(len(keys), dtype=np.int64)
-    for i, key in enumerate(keys):
-        rank[i] = seen[key] = seen.get(key, -1) + 1
-    return [np.flatnonzero(rank == r) for r in range(int(rank.max()) + 1)]
 
 
 def _calls(
@@ -182,12 +174,57 @@ def split_calls(
                 rows, addrs, sizes = regions.rows, regions.addrs, regions.sizes
             else:
                 rows, addrs, sizes = regions.rows[mask], regions.addrs[mask], regions.sizes[mask]
-            # Puts never repeat a key (claims give each key one writer); gets of one key into several
-            # requests' blocks do, and Mooncake's batch get then fills only the last of them while
-            # answering success for all: such rows go into calls of their own, one key once a call.
-            rounds = [slice(None)] if op is Op.PUT else distinct_key_rounds(rows_of(group_rows.keys, rows))
-            for chosen in rounds:
-                calls += _calls(
-                    op, group_rows, rows[chosen], addrs[chosen], sizes[chosen], max_regions_per_call, threads
-                )
+            if op is Op.PUT:  # puts never repeat a key: claims give each key one writer
+                calls += _calls(op, group_rows, rows, addrs, sizes, max_regions_per_call, threads)
+            else:
+                calls += _get_calls(group_rows, rows, addrs, sizes, max_regions_per_call, threads)
+    return calls
+
+
+def _get_calls(
+    group_rows: GroupRows,
+    rows: IntArray,
+    addrs: IntArray,
+    sizes: IntArray,
+    max_regions_per_call: int,
+    threads: int,
+) -> list[Call]:
+    """Gets: the first row of each key read, the key's other rows (other requests loading the same
+    chunk) copied from it in the same call (:mod:`.shared_reads`)."""
+    keys = rows_of(group_rows.keys, rows)
+    first, source = first_readers(keys)
+    if first.size == rows.size:
+        return _calls(Op.GET, group_rows, rows, addrs, sizes, max_regions_per_call, threads)
+    readers = _calls(
+        Op.GET, group_rows, rows[first], addrs[first], sizes[first], max_regions_per_call, threads
+    )
+    copies = np.flatnonzero(source != np.arange(rows.size))
+    # The call reading each first row, and the row's index in it.
+    call_of_first = np.empty(first.size, dtype=np.int64)
+    index_in_call = np.empty(first.size, dtype=np.int64)
+    start = 0
+    for c, call in enumerate(readers):
+        call_of_first[start : start + call.rows.size] = c
+        index_in_call[start : start + call.rows.size] = np.arange(call.rows.size)
+        start += call.rows.size
+    source_rank = np.searchsorted(first, source[copies])
+    calls = []
+    for c, call in enumerate(readers):
+        mine = copies[call_of_first[source_rank] == c]
+        if not mine.size:
+            calls.append(call)
+            continue
+        copy_from = np.concatenate(
+            [np.full(call.rows.size, -1, dtype=np.int64), index_in_call[np.searchsorted(first, source[mine])]]
+        )
+        calls.append(
+            Call(
+                Op.GET,
+                np.concatenate([call.rows, rows[mine]]),
+                np.concatenate([call.keys, keys[mine]]),
+                np.concatenate([call.addrs, addrs[mine]]),
+                np.concatenate([call.sizes, sizes[mine]]),
+                copy_from,
+            )
+        )
     return calls

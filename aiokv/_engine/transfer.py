@@ -30,6 +30,7 @@ from .lanes import Admitted, Lane, Lanes
 from .plan import Rows
 from .replicas import RetryingGet, monotonic_deadline, replica_reader
 from .request import Request
+from .shared_reads import cut_sources, read_then_copy
 from .slices import LoopSlice
 from .tracker import RequestTracker
 
@@ -61,7 +62,8 @@ def admit(call: Call, rows: GroupRows, tracker: RequestTracker) -> Admission:
     if not admitted:
         return Admission(None, [], dropped)
     index = np.flatnonzero(keep)
-    cut = Call(call.op, call.rows[index], call.keys[index], call.addrs[index], call.sizes[index])
+    copy_from = None if call.copy_from is None else cut_sources(call.copy_from, index)
+    cut = Call(call.op, call.rows[index], call.keys[index], call.addrs[index], call.sizes[index], copy_from)
     return Admission(cut, admitted, dropped)
 
 
@@ -214,6 +216,12 @@ class GroupTransfer:
                 nonlocal retrying
                 whens = [r.deadline_handle.when() for r in requests if r.deadline_handle is not None]
                 method = retrying = RetryingGet(method, read, monotonic_deadline(whens, loop.time()))
+            copy_from = going.copy_from
+            if copy_from is not None:
+                return (
+                    lambda: read_then_copy(method, going.keys, going.addrs, going.sizes, copy_from),
+                    lambda: tracker.end_call(requests),
+                )
             return (
                 lambda: method(going.keys.tolist(), going.addrs, going.sizes),  # a list for the call only
                 lambda: tracker.end_call(requests),
