@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiokv import KVWorker, MemoryBackend
-from aiokv._engine.call_split import LOAD_ALONE_BYTES, REQUESTS_PER_CALL, call_pieces
+from aiokv._engine.call_split import LOAD_ALONE_BYTES, REQUESTS_PER_CALL, call_pieces, load_segments
 from aiokv._engine.lanes import EXISTS_PIECE_KEYS
 from aiokv._engine.pipeline import INLINE_LOOKUP_CHUNKS
 from aiokv._engine.request import Request
@@ -488,26 +488,25 @@ def test_call_pieces_are_consecutive_and_as_long_as_both_limits_allow(
 
 
 @settings(max_examples=200, deadline=None)
-@given(
-    runs=st.lists(st.tuples(st.integers(1, 9), st.booleans()), min_size=1, max_size=30),
-    per_call=st.integers(1, 20),
-)
-def test_a_large_load_shares_no_call_with_another(runs: list[tuple[int, bool]], per_call: int) -> None:
+@given(runs=st.lists(st.tuples(st.integers(1, 9), st.booleans()), min_size=1, max_size=30))
+def test_a_large_load_is_a_segment_of_its_own(runs: list[tuple[int, bool]]) -> None:
     # Each run a request's rows; a large one's rows add up to LOAD_ALONE_BYTES, a small one's stay under.
     plan_of_row = np.repeat(np.arange(len(runs)), [n for n, _ in runs])
     row_bytes = np.concatenate(
         [np.full(n, -(-LOAD_ALONE_BYTES // n) if large else (LOAD_ALONE_BYTES - 1) // 9) for n, large in runs]
     )
-    parts = call_pieces(plan_of_row, per_call, row_bytes=row_bytes)
-    assert [p.start for p in parts] == [0] + [p.stop for p in parts[:-1]]
-    assert parts[-1].stop == plan_of_row.size
-    large = {j for j, (_, big) in enumerate(runs) if big}
-    for part in parts:
-        entries = set(np.unique(plan_of_row[part]).tolist())
-        assert 0 < part.stop - part.start <= per_call
-        assert len(entries) == 1 or not entries & large
-    if not large or len(runs) == 1:  # nothing to cut apart: the plain rule's pieces
-        assert parts == call_pieces(plan_of_row, per_call)
+    segments = load_segments(plan_of_row, row_bytes)
+    assert [p.start for p in segments] == [0] + [p.stop for p in segments[:-1]]
+    assert segments[-1].stop == plan_of_row.size
+    large = [big for _, big in runs]
+    kinds = []
+    for segment in segments:
+        entries = np.unique(plan_of_row[segment]).tolist()
+        assert segment.stop > segment.start
+        assert len(entries) == 1 or not any(large[j] for j in entries)  # a large run is alone
+        kinds.append(large[entries[0]])
+    # As few segments as that allows: two segments of small runs are never neighbours.
+    assert not any(not a and not b for a, b in itertools.pairwise(kinds))
 
 
 # -- one batch's copies on every transfer thread -----------------------------------------------------

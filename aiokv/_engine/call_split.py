@@ -1,7 +1,8 @@
 """Call splitting. One group's rows (chunks to move, of many requests) become
 backend calls of at most ``max_regions_per_call`` regions each (:func:`~aiokv.backends.base.keys_per_call`),
 so that no call holds the GIL for long while the binding converts its arguments, and a large move is
-spread over every transfer thread. A call also carries the rows of at most
+spread over every transfer thread. A load of :data:`LOAD_ALONE_BYTES` or more gets calls of its own,
+themselves spread over the threads (:func:`load_segments`). A call also carries the rows of at most
 :data:`REQUESTS_PER_CALL` requests: its go-ahead and its return visit each of them on the loop, in
 one piece (:func:`.transfer.admit`)."""
 
@@ -106,40 +107,48 @@ def _calls(
     max_regions_per_call: int,
     threads: int,
 ) -> list[Call]:
-    per_call = keys_per_call(
-        max_regions_per_call, addrs.shape[1], keys=rows.size, total_bytes=int(sizes.sum()), threads=threads
-    )
+    plan_of_row = group_rows.plan_of_row[rows]
+    row_bytes = sizes.sum(axis=1)
+    segments = load_segments(plan_of_row, row_bytes) if op is Op.GET else [slice(0, rows.size)]
     calls = []
-    row_bytes = sizes.sum(axis=1) if op is Op.GET else None
-    for part in call_pieces(group_rows.plan_of_row[rows], per_call, row_bytes=row_bytes):
-        rows_part = rows[part]
-        calls.append(Call(op, rows_part, rows_of(group_rows.keys, rows_part), addrs[part], sizes[part]))
+    for segment in segments:
+        # Each segment (a large load alone, or the small loads between two) is spread over the
+        # threads by itself: a large load's calls run side by side, and it lands sooner.
+        per_call = keys_per_call(
+            max_regions_per_call,
+            addrs.shape[1],
+            keys=segment.stop - segment.start,
+            total_bytes=int(row_bytes[segment].sum()),
+            threads=threads,
+        )
+        for piece in call_pieces(plan_of_row[segment], per_call):
+            part = slice(segment.start + piece.start, segment.start + piece.stop)
+            rows_part = rows[part]
+            calls.append(Call(op, rows_part, rows_of(group_rows.keys, rows_part), addrs[part], sizes[part]))
     return calls
 
 
-def call_pieces(
-    plan_of_row: IntArray,
-    per_call: int,
-    max_requests: int = REQUESTS_PER_CALL,
-    *,
-    row_bytes: IntArray | None = None,
-) -> list[slice]:
-    """Consecutive pieces of the rows (``plan_of_row``: each row's plan entry, so its request), as
-    long as allowed: at most ``per_call`` rows, and rows of at most ``max_requests`` runs of one
-    entry's rows (so of at most that many requests). ``row_bytes`` (loads): a run of at least
-    :data:`LOAD_ALONE_BYTES` shares no piece with another run."""
+def load_segments(plan_of_row: IntArray, row_bytes: IntArray) -> list[slice]:
+    """Consecutive segments of a group's load rows (``plan_of_row``: each row's plan entry, so its
+    request): each run of at least :data:`LOAD_ALONE_BYTES` alone, the runs between two such in one."""
     count = plan_of_row.size
     run_starts = np.flatnonzero(np.diff(plan_of_row, prepend=-1) != 0)
-    if row_bytes is not None and run_starts.size > 1:
-        bounds = np.append(run_starts, count)
-        alone = np.add.reduceat(row_bytes, run_starts) >= LOAD_ALONE_BYTES
-        if alone.any():
-            cuts = np.unique(np.concatenate([[0, count], bounds[:-1][alone], bounds[1:][alone]])).tolist()
-            parts = []
-            for first, end in itertools.pairwise(cuts):
-                for piece in call_pieces(plan_of_row[first:end], per_call, max_requests):
-                    parts.append(slice(first + piece.start, first + piece.stop))
-            return parts
+    if run_starts.size <= 1:
+        return [slice(0, count)]
+    bounds = np.append(run_starts, count)
+    alone = np.add.reduceat(row_bytes, run_starts) >= LOAD_ALONE_BYTES
+    if not alone.any():
+        return [slice(0, count)]
+    cuts = np.unique(np.concatenate([[0, count], bounds[:-1][alone], bounds[1:][alone]])).tolist()
+    return [slice(first, end) for first, end in itertools.pairwise(cuts)]
+
+
+def call_pieces(plan_of_row: IntArray, per_call: int, max_requests: int = REQUESTS_PER_CALL) -> list[slice]:
+    """Consecutive pieces of the rows (``plan_of_row``: each row's plan entry, so its request), as
+    long as allowed: at most ``per_call`` rows, and rows of at most ``max_requests`` runs of one
+    entry's rows (so of at most that many requests)."""
+    count = plan_of_row.size
+    run_starts = np.flatnonzero(np.diff(plan_of_row, prepend=-1) != 0)
     if count <= per_call and run_starts.size <= max_requests:
         return [slice(0, count)]
     parts = []

@@ -19,6 +19,7 @@ class EngineConfig:
     seed: bytes  # the digest chain's seed (keys.chain_seed(chunk_tokens))
     prefixes: tuple[str, ...]  # per group: the key prefix (namespace, fingerprint, group)
     blocks_per_chunk: tuple[int, ...]  # per group
+    chunk_bytes: tuple[int, ...]  # per group: one chunk's value, over all regions
     max_regions_per_call: int  # effective: the worker's argument, else the backend's, else the default
     transfer_threads: int  # the worker's executor_threads: large moves are split across them
     pressure_backoff_s: float  # how long stores pause after the store answered "full"
@@ -38,14 +39,19 @@ class EngineConfig:
         exists_in_process: bool,
     ) -> EngineConfig:
         """The figures derived from the worker's checked arguments: the digest chain's seed, each
-        group's key prefix and blocks per chunk."""
+        group's key prefix, blocks per chunk and bytes per chunk."""
+        blocks_per_chunk = tuple(chunk_tokens // layout.block_size for layout in layouts)
         return cls(
             layouts=tuple(layouts),
             backend=backend,
             chunk_tokens=chunk_tokens,
             seed=chain_seed(chunk_tokens),
             prefixes=tuple(namespace.prefix(layout.fingerprint, g) for g, layout in enumerate(layouts)),
-            blocks_per_chunk=tuple(chunk_tokens // layout.block_size for layout in layouts),
+            blocks_per_chunk=blocks_per_chunk,
+            chunk_bytes=tuple(
+                layout.chunk_bytes_per_block * blocks
+                for layout, blocks in zip(layouts, blocks_per_chunk, strict=True)
+            ),
             max_regions_per_call=max_regions_per_call,
             transfer_threads=transfer_threads,
             pressure_backoff_s=pressure_backoff_s,

@@ -7,6 +7,10 @@ vLLM the finished requests all at once, so their tails were computed in one long
 every call, in every group, has returned is settled then: its caller goes on while the batch moves the
 rest.
 
+Only loads of at least :data:`~.call_split.LOAD_ALONE_BYTES`, the loads given calls of their own:
+a smaller load shares its calls with up to hundreds of others, so its bytes land with theirs and
+settling it alone would only add per-request work on the loop (~5% of a small request's CPU).
+
 Only loads: a store's outcome is shared with the requests of other batches that wait on it
 (:mod:`.batch`), and is published with its batch. Anything not settled here (a store, a load whose
 group failed before its calls, a load still running a call) is settled at the batch's end as before
@@ -15,12 +19,13 @@ group failed before its calls, a load still running a call) is settled at the ba
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from .._arrays import BoolArray, IntArray
 from ..stats import Kind, Op
+from . import call_split
 from .plan import Plan, Rows
 from .request import Request
 from .rewrite import UnreadableKeys
@@ -41,10 +46,14 @@ class EarlyLoads:
         self._left: dict[Request, int] = {}
 
     @classmethod
-    async def of(cls, plan: Plan, tracker: RequestTracker, unreadable: UnreadableKeys) -> EarlyLoads:
-        """The loads of ``plan`` (built in slices of the loop: a plan can hold 10,000 entries)."""
+    async def of(
+        cls, plan: Plan, tracker: RequestTracker, unreadable: UnreadableKeys, chunk_bytes: Sequence[int]
+    ) -> EarlyLoads:
+        """The large loads of ``plan`` (``chunk_bytes``: a chunk's bytes per group), built in slices of
+        the loop: a plan can hold 10,000 entries."""
         early = cls(tracker, unreadable)
         entries_of = early._entries
+        load_bytes: dict[Request, int] = {}
         excluded: set[Request] = set()
         clock = LoopSlice()
         for group, entries in enumerate(plan):
@@ -54,7 +63,9 @@ class EarlyLoads:
                     excluded.add(request)
                 else:
                     entries_of.setdefault(request, []).append((group, rows))
+                    load_bytes[request] = load_bytes.get(request, 0) + rows.chunks.size * chunk_bytes[group]
                 await clock.tick()
+        excluded.update(r for r, size in load_bytes.items() if size < call_split.LOAD_ALONE_BYTES)
         for request in excluded:
             entries_of.pop(request, None)
         early._left = {request: len(entries) for request, entries in entries_of.items()}

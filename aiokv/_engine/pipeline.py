@@ -130,7 +130,7 @@ class BatchPipeline:
         record(kinds, Phase.SETTLE, time.perf_counter() - settling)
 
     async def _move(self, cycle: Cycle, plan: Plan) -> None:
-        early = await EarlyLoads.of(plan, self._tracker, self._unreadable)
+        early = await EarlyLoads.of(plan, self._tracker, self._unreadable, self._config.chunk_bytes)
         await all_settled(self._transfer.run(cycle, g, rows, early) for g, rows in enumerate(plan) if rows)
 
     async def run_lookups(self, batch: list[Request]) -> None:
