@@ -64,8 +64,8 @@ class KVWorker:
     binding converts while it holds the GIL; default: the backend's ``max_regions_per_call``
     attribute, else 16384); ``max_concurrent_batches`` how many batches overlap; ``max_batch_chunks``
     the most chunks one transfer batch takes (None: everything queued; a request of more goes alone;
-    a load settles as soon as its own calls return, and one of 8 MiB or more in a group gets calls of
-    its own, so a cap is not needed for the first loads to finish first);
+    a load of 8 MiB or more in a group gets calls of its own and settles as soon as they return, so a
+    cap is not needed for the first loads to finish first);
     ``executor_threads`` the threads running backend calls (more overlap more transfers, but every
     thread converting arguments contends with the loop for the GIL, so the loop's lag grows with them:
     the default, 2, keeps it well below what 4 cause; existence checks and address computation have a

@@ -65,6 +65,15 @@ def _same_blocks(got: list[np.ndarray], want: list[np.ndarray], got_first: int, 
     )
 
 
+def _holding_prompt_1(
+    inner: aiokv.MemoryBackend, keys_of: list[set[str]]
+) -> tuple[FaultInjectingBackend, threading.Event]:
+    """``inner`` with every get of prompt 1's keys held until the event is set."""
+    gate = threading.Event()
+    rules = [FaultRule(op="get", keys=keys_of[1], hang=gate, max_hang_s=WAIT_S)]
+    return FaultInjectingBackend(inner, rules=rules), gate
+
+
 def _loading_worker(backend: FaultInjectingBackend, caches: list[np.ndarray]) -> aiokv.KVWorker:
     # One key a call, one transfer thread: the batch's calls run one after another, prompt 0's first.
     return aiokv.KVWorker(
@@ -87,10 +96,7 @@ def loads_count_as_large(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("loads_count_as_large")
 async def test_a_load_answers_while_its_batch_still_moves_another() -> None:
     inner, keys_of, stored = await _stored_backend()
-    gate = threading.Event()
-    backend = FaultInjectingBackend(
-        inner, rules=[FaultRule(op="get", keys=keys_of[1], hang=gate, max_hang_s=WAIT_S)]
-    )
+    backend, gate = _holding_prompt_1(inner, keys_of)
     caches = _caches()
     async with _loading_worker(backend, caches) as worker:
         batches = worker.stats()["batches"]
@@ -135,10 +141,7 @@ async def test_large_loads_get_calls_of_their_own(monkeypatch: pytest.MonkeyPatc
     # Every load here counts as large; with the default call size one call would carry both.
     monkeypatch.setattr(call_split, "LOAD_ALONE_BYTES", 1)
     inner, keys_of, stored = await _stored_backend()
-    gate = threading.Event()
-    backend = FaultInjectingBackend(
-        inner, rules=[FaultRule(op="get", keys=keys_of[1], hang=gate, max_hang_s=WAIT_S)]
-    )
+    backend, gate = _holding_prompt_1(inner, keys_of)
     caches = _caches()
     async with aiokv.KVWorker(_layout(caches), backend, namespace="early", chunk_tokens=CHUNK) as worker:
         first, second = worker.load(_prompt(0), _blocks(0)), worker.load(_prompt(1), _blocks(16))
@@ -157,10 +160,7 @@ async def test_a_small_load_settles_with_its_batch(monkeypatch: pytest.MonkeyPat
     # One byte short of large: sharing calls with other loads, it waits for the batch's end.
     monkeypatch.setattr(call_split, "LOAD_ALONE_BYTES", PROMPT_BYTES + 1)
     inner, keys_of, stored = await _stored_backend()
-    gate = threading.Event()
-    backend = FaultInjectingBackend(
-        inner, rules=[FaultRule(op="get", keys=keys_of[1], hang=gate, max_hang_s=WAIT_S)]
-    )
+    backend, gate = _holding_prompt_1(inner, keys_of)
     caches = _caches()
     async with _loading_worker(backend, caches) as worker:
         first, second = worker.load(_prompt(0), _blocks(0)), worker.load(_prompt(1), _blocks(16))
