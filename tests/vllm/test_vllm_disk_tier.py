@@ -7,12 +7,13 @@ directory answers the stored prompts whole from its first request (each rank's l
 scheduler at vLLM's start-up handshake), with the greedy outputs of a server without any connector;
 the damaged chunks are recomputed, never loaded, their files removed, and stored again. At TP 2 each
 rank keeps its shard in a directory of its own, and after a restart a chunk hits only if every rank
-still holds it.
+still holds it. The logprob tolerance comes from controls run here: the prompts at once, and behind
+vLLM's own prefix cache (a tail, or one token, computed behind cached blocks, as after a hit).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,10 @@ from tests.vllm.support import (
     ROOT,
     assert_same_greedy,
     connector,
+    greedy_tolerance,
+    one_token_left,
     require_vllm,
     server_reference,
-    solo_vs_concurrent_tolerance,
     tokens,
     wait_until,
 )
@@ -63,26 +65,51 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     }
 
 
-def serve(world: dict[str, Any], name: str, kv: dict[str, Any] | None, tp: int = 1) -> Any:
+def serve(
+    world: dict[str, Any], name: str, kv: dict[str, Any] | None, tp: int = 1, extra: Sequence[str] = ()
+) -> Any:
     args, env = (TP2_ARGS, TP2_ENV) if tp == 2 else ((), {})
     return running_server(
         world["model"],
         world["root"] / f"{name}.log",
         kv_transfer_config=kv,
         env={"PYTHONPATH": str(ROOT), **env},
-        extra_args=args,
+        extra_args=(*args, *extra),
     )
 
 
 @pytest.fixture(scope="module")
 def reference(root: dict[str, Any]) -> dict[str, Any]:
+    """Each prompt computed whole ("solo"), and the controls of the numerics a hit may move on this
+    CPU: the prompts at once ("concurrent"), and behind vLLM's own prefix cache ("warm": the partial
+    last block computed; "one_left_warm": one token computed, against its "solo" computed whole)."""
+    one_left = [one_token_left(prompt) for prompt in PROMPTS]
     with serve(root, "reference", None) as server:
-        return server_reference(server, PROMPTS)
+        reference = server_reference(server, PROMPTS, also_alone=one_left)
+    with serve(root, "prefix-cache", None, extra=("--enable-prefix-caching",)) as server:
+        for prompt in PROMPTS:
+            server.complete(prompt)  # now in vLLM's prefix cache
+        reference["warm"] = [server.complete(prompt).as_output() for prompt in PROMPTS]
+        reference["one_left_warm"] = [server.complete(prompt).as_output() for prompt in one_left]
+    assert all(out["cached"] > 0 for out in [*reference["warm"], *reference["one_left_warm"]])
+    return reference
+
+
+def controls(reference: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    solo = reference["solo"]
+    return [
+        *((solo[tuple(p)], out) for p, out in zip(PROMPTS, reference["concurrent"], strict=True)),
+        *((solo[tuple(p)], out) for p, out in zip(PROMPTS, reference["warm"], strict=True)),
+        *(
+            (solo[tuple(one_token_left(p))], out)
+            for p, out in zip(PROMPTS, reference["one_left_warm"], strict=True)
+        ),
+    ]
 
 
 @pytest.fixture(scope="module")
 def tolerance(reference: dict[str, Any]) -> float:
-    return solo_vs_concurrent_tolerance(reference, PROMPTS)
+    return greedy_tolerance(controls(reference))
 
 
 def value_files(kv: Path, rank: int = 0) -> dict[Path, int]:
@@ -94,18 +121,20 @@ def whole_hit(server: Any, prompt: list[int]) -> bool:
     return bool(server.complete(prompt).cached == len(prompt))
 
 
-def store_alone(server: Any, kv: Path, prompt: list[int], ranks: int = 1) -> list[list[Path]]:
-    """Store ``prompt`` and wait until it hits whole: its files on each rank (full blocks in order,
-    then the tail)."""
+def store_alone(
+    server: Any, kv: Path, prompt: list[int], ranks: int = 1
+) -> tuple[dict[str, Any], list[list[Path]]]:
+    """Store ``prompt`` and wait until it hits whole: its output computed whole, and its files on each
+    rank (full blocks in order, then the tail)."""
     before = [set(value_files(kv, rank)) for rank in range(ranks)]
-    server.complete(prompt)
+    computed = server.complete(prompt).as_output()
     wait_until(lambda: whole_hit(server, prompt), SETTLE_S, f"a {len(prompt)}-token prompt stored")
     out = []
     for rank in range(ranks):
         files = {path: gen for path, gen in value_files(kv, rank).items() if path not in before[rank]}
         assert len(files) == len(prompt) // BLOCK + 1
         out.append(sorted(files, key=files.__getitem__))
-    return out
+    return computed, out
 
 
 @pytest.fixture(scope="module")
@@ -117,8 +146,8 @@ def stored(root: dict[str, Any]) -> dict[str, Path]:
         for prompt in (P, Q):
             server.complete(prompt)
         wait_until(lambda: whole_hit(server, P) and whole_hit(server, Q), SETTLE_S, "P and Q stored")
-        cut = store_alone(server, kv, CUT)[0][CUT_CHUNK]
-        flipped = store_alone(server, kv, FLIPPED)[0][FLIPPED_CHUNK]
+        cut = store_alone(server, kv, CUT)[1][0][CUT_CHUNK]
+        flipped = store_alone(server, kv, FLIPPED)[1][0][FLIPPED_CHUNK]
     with open(cut, "r+b") as file:
         file.truncate(cut.stat().st_size - ALIGN)
     with open(flipped, "r+b") as file:
@@ -179,19 +208,21 @@ def test_tp2_restart_hits_the_chunks_every_rank_holds(
 ) -> None:
     """TP 2: each rank's shard in its own ``rank-<n>``. Q's chunk MISSING_CHUNK, deleted from rank 1's
     directory between the servers, is no hit after the restart (rank 0's file of it is dropped too) and
-    is recomputed and stored again; P hits whole, from the first request."""
+    is recomputed and stored again; P hits whole, from the first request. Outputs are compared with the
+    same prompts computed whole at TP 2 (a TP 2 forward sums its shards in another order than TP 1's)."""
     kv = root["root"] / "kv-tp2"
     kv.mkdir()
     with serve(root, "A-tp2", disk_connector(kv), tp=2) as server:
-        store_alone(server, kv, P, ranks=2)
-        q_files = store_alone(server, kv, Q, ranks=2)
+        computed_p, _ = store_alone(server, kv, P, ranks=2)
+        computed_q, q_files = store_alone(server, kv, Q, ranks=2)
+    assert computed_p["cached"] == computed_q["cached"] == 0
     q_files[1][MISSING_CHUNK].unlink()
     with serve(root, "B-tp2", disk_connector(kv), tp=2) as server:
         got = server.complete(P).as_output()
         assert got["cached"] == len(P)
-        assert_same_greedy(got, reference["solo"][tuple(P)], tolerance, "P at TP 2")
+        assert_same_greedy(got, computed_p, tolerance, "P at TP 2")
         got = server.complete(Q).as_output()
         assert got["cached"] == MISSING_CHUNK * BLOCK
-        assert_same_greedy(got, reference["solo"][tuple(Q)], tolerance, "Q at TP 2")
+        assert_same_greedy(got, computed_q, tolerance, "Q at TP 2")
         assert not q_files[0][MISSING_CHUNK].exists()
         wait_until(lambda: whole_hit(server, Q), SETTLE_S, "Q stored again on both ranks")
