@@ -52,7 +52,7 @@ from .vllm_phases import (
     timed,
 )
 from .vllm_phases import summary as summary_of_phases
-from .vllm_setup import kv_transfer_config, mooncake_config, mooncake_store, rerun_in_namespace
+from .vllm_setup import kv_transfer_config, mooncake_config, rerun_in_namespace, service_store
 from .vllm_workload import BLOCK_SIZE, MODEL_SHAPE
 
 logger = logging.getLogger("benchmarks.vllm")
@@ -73,6 +73,9 @@ class Config:
     disk: bool = False  # a disk tier in a directory of the run: the loading server restarts on it
     kv_events: bool = False  # vLLM's KV events published (over ZeroMQ, to no subscriber)
     prefix_caching: bool = False  # vLLM's own prefix cache on (every other configuration runs it off)
+    # aiokv attached to the store's client service through shared memory (the documented setup on
+    # the store's host); otherwise a TCP client of it, as vLLM's connector is.
+    attach: bool = False
 
 
 def _aiokv_tier(backend: str) -> Callable[[dict[str, Any], dict[str, Any]], dict[str, Any] | None]:
@@ -97,26 +100,37 @@ CONFIGS: dict[str, Config] = {
         lambda store, extra: None, fresh_loader=False, needs_store=False, prefix_caching=True
     ),
     "vllm": Config(lambda store, extra: kv_transfer_config("vllm", store)),
-    "aiokv": Config(lambda store, extra: kv_transfer_config("aiokv", store, extra)),
+    "aiokv": Config(lambda store, extra: kv_transfer_config("aiokv", store, extra), attach=True),
+    # aiokv as a TCP client of the store, as vLLM's connector is (the transport aside, the same code).
+    "aiokv-tcp": Config(lambda store, extra: kv_transfer_config("aiokv", store, extra)),
     # Values not checksummed (what checksums cost: aiokv against this, same run).
     "unverified": Config(
-        lambda store, extra: kv_transfer_config("aiokv", store, {**extra, "verify_values": False})
+        lambda store, extra: kv_transfer_config("aiokv", store, {**extra, "verify_values": False}),
+        attach=True,
     ),
     "embedded": Config(_aiokv_tier("memory"), fresh_loader=False),
     # aiokv with vLLM's KV events on: what publishing its tiers' events costs (against aiokv).
-    "aiokv-events": Config(lambda store, extra: kv_transfer_config("aiokv", store, extra), kv_events=True),
+    "aiokv-events": Config(
+        lambda store, extra: kv_transfer_config("aiokv", store, extra), kv_events=True, attach=True
+    ),
     # The disk tier: a fresh server on the storing server's directory (a restart) loads from it.
     "disk": Config(_aiokv_tier("disk"), needs_store=False, disk=True),
-    "tiered": Config(_aiokv_tier("tiered"), fresh_loader=False),
+    "tiered": Config(_aiokv_tier("tiered"), fresh_loader=False, attach=True),
 }
 
 
 BUILT_IN = frozenset(CONFIGS)
 
 
+def connector_store(config: Config, store: dict[str, Any], service: str) -> dict[str, Any]:
+    """The Mooncake JSON a configuration's connector gets: attached to the client service at
+    ``service`` (``Config.attach``), or the pure client's JSON every server finds in its environment."""
+    return {**store, "client_service": service} if config.attach else store
+
+
 def _variant(extra: dict[str, Any]) -> Config:
     """aiokv on Mooncake with ``extra`` merged into its extra config (``--variant``)."""
-    return Config(lambda store, common: kv_transfer_config("aiokv", store, {**common, **extra}))
+    return Config(lambda store, common: kv_transfer_config("aiokv", store, {**common, **extra}), attach=True)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -228,26 +242,37 @@ def _thread_cpu_seconds(root: int) -> dict[str, float]:
     return out
 
 
-def drive(server: VllmServer, clients: list[list[list[int]]], output_tokens: int) -> dict[str, Any]:
-    """Every client sends its prompts one after the other, all clients at once, streaming."""
+def drive(
+    server: VllmServer, clients: list[list[list[int]]], output_tokens: int, store_pids: list[int]
+) -> dict[str, Any]:
+    """Every client sends its prompts one after the other, all clients at once, streaming. CPU is
+    counted for the server's processes and, apart, for the store's (``store_pids``)."""
 
     def client(prompts: list[list[int]]) -> list[Completion]:
         return [server.complete(p, max_tokens=output_tokens, logprobs=None, stream=True) for p in prompts]
 
     cpu_before = _process_tree_cpu_seconds(server.process.pid)
+    store_before = sum(map(_process_tree_cpu_seconds, store_pids))
     threads_before = _thread_cpu_seconds(server.process.pid)
     began = time.monotonic()
     with ThreadPoolExecutor(max_workers=len(clients)) as pool:
         done = list(pool.map(client, clients))
     wall = time.monotonic() - began
     cpu = _process_tree_cpu_seconds(server.process.pid) - cpu_before
+    store_cpu = sum(map(_process_tree_cpu_seconds, store_pids)) - store_before
     threads = {
         name: seconds - threads_before.get(name, 0.0)
         for name, seconds in _thread_cpu_seconds(server.process.pid).items()
         if seconds - threads_before.get(name, 0.0) > 0
     }
     by_thread = dict(sorted(threads.items(), key=lambda item: -item[1]))
-    return {"wall_s": wall, "server_cpu_s": cpu, "server_cpu_s_by_thread": by_thread, "completions": done}
+    return {
+        "wall_s": wall,
+        "server_cpu_s": cpu,
+        "store_cpu_s": store_cpu,
+        "server_cpu_s_by_thread": by_thread,
+        "completions": done,
+    }
 
 
 def _percentile(values: list[float], fraction: float) -> float:
@@ -269,6 +294,9 @@ def figures(run: dict[str, Any], prefix_sizes: list[int], suffix: int) -> dict[s
         "wall_s": run["wall_s"],
         "server_cpu_s": run["server_cpu_s"],
         "server_cpu_s_per_request": run["server_cpu_s"] / len(completions),
+        # The store's process (Mooncake's client service) serves every connector's reads and writes.
+        "store_cpu_s_per_request": run.get("store_cpu_s", 0.0) / len(completions),
+        "cpu_s_per_request": (run["server_cpu_s"] + run.get("store_cpu_s", 0.0)) / len(completions),
         "hit_tokens": sum(c.cached for c in completions),
         "hit_tokens_by_prefix": {size: sorted(set(values)) for size, values in hits.items()},
         "full_blocks_by_prefix": {str(s): s // BLOCK_SIZE * BLOCK_SIZE for s in prefix_sizes},
@@ -284,17 +312,21 @@ def run_config(
         env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib), "VLLM_HOST_IP": "127.0.0.1"}
         env["MOONCAKE_REQUESTER_LOCAL_HOSTNAME"] = "127.0.0.1"
         transfer = None
+        store_pids: list[int] = []
         if config.needs_store:
             # Room for every prompt's KV twice over (the loading server stores the suffixes' blocks).
             kv_per_token = 2 * MODEL_SHAPE["num_kv_heads"] * MODEL_SHAPE["head_dim"] * 2 * args.layers
             tokens = sum(map(len, prefixes.values())) + sum(len(p) for client in clients for p in client)
             segment = max(512 << 20, 2 * kv_per_token * tokens)
-            address = stack.enter_context(mooncake_store(segment))
+            address, service, service_pid = stack.enter_context(
+                service_store(segment, workdir / f"{name}.mooncake_client.log")
+            )
+            store_pids.append(service_pid)
             store = mooncake_config(address)
             config_path = workdir / f"{name}.mooncake.json"
             config_path.write_text(json.dumps(store))
             env["MOONCAKE_CONFIG_PATH"] = str(config_path)
-            transfer = config.transfer(store, args.aiokv_extra)
+            transfer = config.transfer(connector_store(config, store, service), args.aiokv_extra)
         if config.disk:
             disk_path = Path(tempfile.mkdtemp(prefix=f"{name}.tier.", dir=workdir))
             extra = {"disk_path": str(disk_path), "disk_capacity": "8GiB", **args.aiokv_extra}
@@ -354,7 +386,7 @@ def run_config(
         aiokv = transfer is not None and "Aiokv" in transfer["kv_connector"]
         before = loader.metrics() if aiokv else {}
         began = time.monotonic()
-        result["run"] = drive(loader, clients, args.output_tokens)
+        result["run"] = drive(loader, clients, args.output_tokens, store_pids)
         if aiokv:
             _flush_worker_counters(loader)
         # AiokvConnector's counters over the loading server's life (warm-up included): lookups
@@ -427,6 +459,8 @@ def format_table(summary: dict[str, Any]) -> str:
         ("TTFT p99 (s)", "ttft_p99_s", "{:.3f}"),
         ("requests/s", "requests_per_s", "{:.2f}"),
         ("server CPU s/request", "server_cpu_s_per_request", "{:.2f}"),
+        ("store CPU s/request", "store_cpu_s_per_request", "{:.2f}"),
+        ("server+store CPU s/request", "cpu_s_per_request", "{:.2f}"),
         ("hit tokens (all requests)", "hit_tokens", "{:.0f}"),  # a median of two rounds may be x.5
     ]
     lines = [f"{'':28}" + "".join(f"{name:>14}" for name in names)]
@@ -460,7 +494,7 @@ def ratios(figures_by_name: dict[str, dict[str, Any]]) -> dict[str, dict[str, fl
     """Each configuration against recompute and against the floor (vLLM's prefix cache), aiokv against
     vLLM's connector, the host tiers against aiokv on Mooncake (lower TTFT and CPU, higher requests/s
     are better), and what aiokv adds to the floor's TTFT against what vLLM's connector adds."""
-    keys = ("ttft_p50_s", "ttft_p99_s", "requests_per_s", "server_cpu_s_per_request")
+    keys = ("ttft_p50_s", "ttft_p99_s", "requests_per_s", "server_cpu_s_per_request", "cpu_s_per_request")
     pairs = [(name, "recompute") for name in figures_by_name if name != "recompute"]
     floor = "prefix-cache"
     pairs += [(name, floor) for name in figures_by_name if name not in ("recompute", floor)]
@@ -469,10 +503,15 @@ def ratios(figures_by_name: dict[str, dict[str, Any]]) -> dict[str, dict[str, fl
         (a, b)
         for a, b in (
             ("aiokv", "vllm"),
+            ("aiokv-tcp", "vllm"),
+            ("aiokv", "aiokv-tcp"),
             ("aiokv", "unverified"),
             ("tiered", "aiokv"),
             ("embedded", "aiokv"),
             ("disk", "aiokv"),
+            # The host tiers against a hit over the network (TCP), as from a store on another host.
+            ("tiered", "aiokv-tcp"),
+            ("disk", "aiokv-tcp"),
             ("aiokv-events", "aiokv"),
             ("disk", "embedded"),
         )
@@ -492,7 +531,7 @@ def ratios(figures_by_name: dict[str, dict[str, Any]]) -> dict[str, dict[str, fl
         }
     )
     if floor in figures_by_name and "vllm" in figures_by_name:
-        for name in ("aiokv", "unverified", "tiered", "embedded", "disk", *variants):
+        for name in ("aiokv", "aiokv-tcp", "unverified", "tiered", "embedded", "disk", *variants):
             if name not in figures_by_name:
                 continue
             above = {}

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("benchmarks.vllm")
@@ -60,6 +62,37 @@ def mooncake_store(segment_bytes: int) -> Iterator[str]:
 
     with MooncakeMaster() as master, segment_holder(master.address, segment_bytes):
         yield master.address
+
+
+@contextlib.contextmanager
+def service_store(segment_bytes: int, log_path: Path | None = None) -> Iterator[tuple[str, str, int]]:
+    """A fresh master and Mooncake's client service (``mooncake_client``) mounting ``segment_bytes``:
+    the store every connector of a run uses. Yields the master's address, the service's (for clients
+    that attach to it) and the service's pid (its CPU counts with the server's)."""
+    from aiokv.backends.mooncake_master import MooncakeMaster, client_service
+
+    with contextlib.ExitStack() as stack:
+        master = stack.enter_context(MooncakeMaster())
+        service = stack.enter_context(client_service(master.address, segment_bytes, log_path=log_path))
+        yield master.address, service, service_pid(service)
+
+
+def service_pid(address: str) -> int:
+    """The pid of the process listening on the loopback TCP ``address`` (from /proc/net/tcp)."""
+    port = int(address.rpartition(":")[2])
+    inodes = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and int(fields[1].rpartition(":")[2], 16) == port:  # LISTEN
+            inodes.add(fields[9])
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith("socket:[") and target[8:-1] in inodes:
+                        return int(pid)
+    raise RuntimeError(f"no process listens on {address}")
 
 
 def rerun_in_namespace(argv: list[str]) -> int:

@@ -25,6 +25,17 @@ NAMESPACE_HINT = (
 )
 
 
+# The required keys of a Mooncake config, for config tests that never connect.
+CONFIG_BASE = {
+    "local_hostname": "127.0.0.1",
+    "metadata_server": "P2PHANDSHAKE",
+    "master_server_address": "127.0.0.1:1",
+}
+# A mapped-nowhere address: Mooncake (or a copy into it) would SIGSEGV on it, so reaching native code
+# kills the test run.
+WILD = 1 << 46
+
+
 def network_interfaces() -> set[str]:
     """Interface names this process's network namespace has (from ``/proc/net/dev``)."""
     with open("/proc/net/dev") as dev:

@@ -12,6 +12,7 @@ from benchmarks.vllm_http import (
     CONFIGS,
     build_prompts,
     compare_tokens,
+    connector_store,
     deferred,
     figures,
     format_table,
@@ -64,6 +65,19 @@ def test_host_tier_configurations_load_from_the_storing_server() -> None:
         extra = transfer["kv_connector_extra_config"]
         assert extra["backend"] == backend and extra["chunk_blocks"] == 1
         assert ("mooncake_config" in extra) == (backend == "tiered")
+
+
+def test_aiokv_attaches_to_the_client_service_and_aiokv_tcp_and_vllm_do_not() -> None:
+    store = {"mode": "standalone-store", "global_segment_size": 0}
+    attached = {**store, "client_service": "127.0.0.1:5"}
+    configs = {name: connector_store(CONFIGS[name], store, "127.0.0.1:5") for name in CONFIGS}
+    assert configs["aiokv"] == configs["unverified"] == configs["tiered"] == attached
+    assert configs["aiokv-tcp"] == configs["vllm"] == store
+    ours = CONFIGS["aiokv"].transfer(configs["aiokv"], {})
+    over_tcp = CONFIGS["aiokv-tcp"].transfer(configs["aiokv-tcp"], {})
+    assert ours is not None and over_tcp is not None
+    assert ours["kv_connector_extra_config"]["mooncake_config"].pop("client_service") == "127.0.0.1:5"
+    assert ours == over_tcp  # the transport aside, the same configuration
 
 
 def test_unverified_differs_from_aiokv_only_by_unchecked_values() -> None:

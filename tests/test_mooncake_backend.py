@@ -27,16 +27,10 @@ from aiokv.backends.mooncake_calls import CallForm, call_form, prove
 from aiokv.backends.mooncake_master import MooncakeMaster, free_ports, segment_holder
 from aiokv.errors import BackendError, BackendUnavailableError, InvalidRequestError
 
-from .mooncake_support import random_bytes, registered, require_mooncake, unique_keys
+from .mooncake_support import CONFIG_BASE, WILD, random_bytes, registered, require_mooncake, unique_keys
 
 MiB = 1 << 20
-BASE = {
-    "local_hostname": "127.0.0.1",
-    "metadata_server": "P2PHANDSHAKE",
-    "master_server_address": "127.0.0.1:1",
-}
-# A mapped-nowhere address: Mooncake would SIGSEGV on it, so reaching native code kills the test run.
-WILD = 1 << 46
+BASE = CONFIG_BASE
 
 
 def _run_python(code: str) -> subprocess.CompletedProcess[str]:

@@ -23,6 +23,7 @@ from typing import Any
 from .._arrays import BoolArray
 from ..codes import Code, code_name
 from ..errors import BackendError, BackendUnavailableError, InvalidRequestError
+from ._copies import select_keys
 from ._regions import Regions, RegionTable, RegisteredMemory, check_keys
 from .base import ClosingContext
 from .mooncake_binding import TCP_QUEUE_ENV, import_store
@@ -38,6 +39,7 @@ from .mooncake_config import (
 )
 from .mooncake_extras import MooncakeExtras
 from .mooncake_replicas import ReplicaReader
+from .mooncake_service import ServiceStaging, StagedForm, attach
 
 logger = logging.getLogger("aiokv.backends.mooncake")
 
@@ -103,32 +105,37 @@ class MooncakeBackend(MooncakeExtras, ClosingContext):
         self._store: Any = None
         self._replica_reader: ReplicaReader | None = None  # made on the first read_from_replicas
         self._replica_lock = threading.Lock()
+        # Set when attached to a client service on this host (MooncakeConfig.client_service).
+        self._staging: ServiceStaging | None = None
         store = store_class()
         started = time.monotonic()
         cfg = self.config
-        rc = store.setup(
-            cfg.local_hostname,
-            cfg.metadata_server,
-            cfg.global_segment_size,
-            cfg.local_buffer_size,
-            cfg.protocol,
-            cfg.device_name,
-            cfg.master_server_address,
-        )
-        if rc != 0:
-            self._closed = True
-            raise BackendUnavailableError(
-                f"Mooncake setup against master {self.master_address} failed: {code_name(rc)} ({rc}) "
-                f"(local_hostname={cfg.local_hostname!r}, metadata_server={cfg.metadata_server!r}, "
-                f"protocol={cfg.protocol!r})",
-                code=rc,
-                address=self.master_address,
+        if cfg.client_service:
+            self._attach(store)
+        else:
+            rc = store.setup(
+                cfg.local_hostname,
+                cfg.metadata_server,
+                cfg.global_segment_size,
+                cfg.local_buffer_size,
+                cfg.protocol,
+                cfg.device_name,
+                cfg.master_server_address,
             )
+            if rc != 0:
+                self._closed = True
+                raise BackendUnavailableError(
+                    f"Mooncake setup against master {self.master_address} failed: {code_name(rc)} ({rc}) "
+                    f"(local_hostname={cfg.local_hostname!r}, metadata_server={cfg.metadata_server!r}, "
+                    f"protocol={cfg.protocol!r})",
+                    code=rc,
+                    address=self.master_address,
+                )
         self._store = store
         logger.info(
-            "Mooncake client %s connected to master %s in %.0f ms",
+            "Mooncake client %s connected to %s in %.0f ms",
             cfg.local_hostname,
-            self.master_address,
+            f"client service {cfg.client_service}" if cfg.client_service else f"master {self.master_address}",
             (time.monotonic() - started) * 1e3,
         )
 
@@ -166,6 +173,8 @@ class MooncakeBackend(MooncakeExtras, ClosingContext):
     def register_buffer(self, addr: int, size: int) -> None:
         self._check_open()
         self._memory.add(addr, size)
+        if self._staging is not None:  # the service never sees this memory: staged copies do
+            return
         try:
             with self._native() as store:
                 rc = store.register_buffer(int(addr), int(size))
@@ -182,6 +191,8 @@ class MooncakeBackend(MooncakeExtras, ClosingContext):
         self._check_open()
         # Forgotten first: whatever Mooncake answers, no later call may use this memory.
         self._memory.remove(addr)
+        if self._staging is not None:
+            return
         with self._native() as store:
             rc = store.unregister_buffer(int(addr))
         if rc != 0:
@@ -285,7 +296,12 @@ class MooncakeBackend(MooncakeExtras, ClosingContext):
         batch = prove(self._memory, op, keys, addrs, sizes)
         if not batch.rows:
             return batch.codes
-        form = call_form(batch, op, prefer_same_node=self.config.prefer_alloc_in_same_node)
+        form: CallForm | StagedForm
+        if self._staging is None:
+            form = call_form(batch, op, prefer_same_node=self.config.prefer_alloc_in_same_node)
+        else:
+            table = batch.table if batch.subset is None else select_keys(batch.table, batch.subset)
+            form = StagedForm(self._staging, table)
         if op == "put":
             native = self._put(batch.keys, form)
         else:
@@ -305,14 +321,14 @@ class MooncakeBackend(MooncakeExtras, ClosingContext):
             codes[k] = code
         return codes
 
-    def _get(self, keys: list[str], form: CallForm) -> list[int]:
+    def _get(self, keys: list[str], form: CallForm | StagedForm) -> list[int]:
         with self._native() as store:
             answer = form.get(store, keys, self.config.prefer_alloc_in_same_node)
         self._check_length(form.get_name, answer, len(keys))
         self._raise_if_unavailable(form.get_name, answer)
         return form.get_answers(answer)
 
-    def _put(self, keys: list[str], form: CallForm) -> list[int]:
+    def _put(self, keys: list[str], form: CallForm | StagedForm) -> list[int]:
         """One native batch put, and up to :attr:`put_retries` more of the keys that failed -800.
 
         While the master still lists a dead client's segment it places new replicas on it too, and
@@ -337,6 +353,25 @@ class MooncakeBackend(MooncakeExtras, ClosingContext):
             logger.info("Mooncake put: %d keys failed TRANSFER_FAIL (attempt %d)", len(pending), attempt + 1)
         return codes
 
+    def _attach(self, store: Any) -> None:
+        """Attach to the client service and map the staging buffer shared with it."""
+        service = self.config.client_service
+        rc = attach(store, self.config)
+        if rc != 0:
+            self._closed = True
+            raise BackendUnavailableError(
+                f"cannot attach to the Mooncake client service at {service} ({rc}): is `mooncake_client "
+                f"--port={service.rpartition(':')[2]}` running on this host?",
+                code=rc,
+                address=service,
+            )
+        try:
+            self._staging = ServiceStaging(store, self.config.local_buffer_size, self._memory, service)
+        except BaseException:
+            self._closed = True
+            store.close()
+            raise
+
     def _check_open(self) -> None:
         if self._closed:
             raise BackendError(f"MooncakeBackend (master {self.master_address}) is closed")
@@ -358,10 +393,12 @@ class MooncakeBackend(MooncakeExtras, ClosingContext):
 
     def _error(self, call: str, code: int) -> BackendError:
         if code in _UNAVAILABLE_CODES:
+            service = self.config.client_service
+            peer = f"client service {service}" if service else f"master {self.master_address}"
             return BackendUnavailableError(
-                f"Mooncake {call}: master {self.master_address} unreachable ({code_name(code)}, {code})",
+                f"Mooncake {call}: {peer} unreachable ({code_name(code)}, {code})",
                 code=code,
-                address=self.master_address,
+                address=service or self.master_address,
             )
         return BackendError(f"Mooncake {call} failed: {code_name(code)} ({code})", code=code)
 

@@ -25,6 +25,8 @@ DEFAULT_GLOBAL_SEGMENT_SIZE = 3355443200
 DEFAULT_LOCAL_BUFFER_SIZE = 1 << 30
 # Setup refuses a smaller (nonzero) segment with -600 (measured on 0.3.13).
 MIN_GLOBAL_SEGMENT_SIZE = 16 << 20
+# A client service's staging buffer holds at least a few chunks' values per transfer lane.
+MIN_STAGING_SIZE = 16 << 20
 
 _SIZE_PATTERN = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgtp])(i?)b?|b)?\s*$", re.IGNORECASE)
 # Binary multiples for "MB" as well as "MiB": Mooncake's own parser reads "512MB" as 512 MiB.
@@ -62,6 +64,13 @@ class MooncakeConfig:
     The keys are those of Mooncake's own JSON config (as vLLM and LMCache users write it) plus the
     replica options of ``ReplicateConfig``. Sizes may be given as strings (see :func:`parse_size`);
     ``global_segment_size=0`` makes a pure client that stores nothing itself.
+
+    ``client_service`` (``"host:port"``) attaches this client to a Mooncake client service running on
+    this host (``mooncake_client``, which holds the segment and runs the transfer engine) through
+    shared memory, instead of running a transfer engine here: the service moves the bytes into a
+    shared staging buffer of ``local_buffer_size`` and this process copies them to and from its
+    registered memory, two memory copies where TCP between processes costs ~10x the CPU. Such a
+    client mounts nothing (``global_segment_size`` 0, the default when ``client_service`` is given).
     """
 
     local_hostname: str
@@ -80,6 +89,8 @@ class MooncakeConfig:
     # The master's --default_kv_lease_ttl (ms): how long a key an existence check found stays leased.
     # The client cannot ask the master; the worker counts its lookups' hits this long (aiokv.leases).
     default_kv_lease_ttl: int = 10_000
+    # "host:port" of a Mooncake client service on this host to attach to (see the class docstring).
+    client_service: str = ""
 
     def __post_init__(self) -> None:
         for key in _REQUIRED_KEYS:
@@ -123,6 +134,27 @@ class MooncakeConfig:
         for key in ("prefer_alloc_in_same_node", "with_hard_pin"):
             if not isinstance(getattr(self, key), bool):
                 raise TypeError(f"{key} must be true or false, not {getattr(self, key)!r}")
+        self._check_client_service()
+
+    def _check_client_service(self) -> None:
+        service = self.client_service
+        if not isinstance(service, str):
+            raise TypeError(f"client_service must be a 'host:port' str, not {type(service).__name__}")
+        if not service:
+            return
+        host, _, port = service.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"client_service must be 'host:port', got {service!r}")
+        if self.global_segment_size:
+            raise ValueError(
+                "a client of a Mooncake client service mounts no memory (the service holds the segment): "
+                f"set global_segment_size 0 or leave it out, got {self.global_segment_size}"
+            )
+        if self.local_buffer_size < MIN_STAGING_SIZE:
+            raise ValueError(
+                f"local_buffer_size is the staging buffer shared with the client service: at least "
+                f"{MIN_STAGING_SIZE} bytes, got {self.local_buffer_size}"
+            )
 
     # -- sources --------------------------------------------------------------------------------
 
@@ -140,6 +172,8 @@ class MooncakeConfig:
         missing = [key for key in _REQUIRED_KEYS if key not in config]
         if missing:
             raise ValueError(f"Mooncake config is missing required key(s): {', '.join(missing)}")
+        if config.get("client_service") and "global_segment_size" not in config:
+            config = {**config, "global_segment_size": 0}  # the service holds the segment
         return cls(**config)
 
     @classmethod

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
+from ..codes import Code
 from ._regions import Regions, RegisteredMemory, check_keys
 from .mooncake_calls import prove
 from .mooncake_config import MooncakeConfig
@@ -44,6 +45,12 @@ class MooncakeExtras:
         self._check_open()
         rows, addr_lists, size_lists, codes = self._proven_regions("read_from_replicas", keys, addrs, sizes)
         if not rows:
+            return codes
+        if self.config.client_service:
+            # The client service picks replicas itself and answers no replica descriptors: the keys
+            # stay failed (-800) and the caller recomputes them.
+            for k in rows:
+                codes[k] = int(Code.TRANSFER_FAILED)
             return codes
         native_keys = [keys[k] for k in rows]
         with self._native() as store:

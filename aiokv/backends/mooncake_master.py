@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 
-from .mooncake_config import INSTALL_HINT
+from .mooncake_config import INSTALL_HINT, parse_size
 
 logger = logging.getLogger("aiokv.backends.mooncake")
 
@@ -37,17 +37,18 @@ EXECUTABLE_NAME = "mooncake_master"
 _START_ATTEMPTS = 3
 
 
-def find_master_executable() -> Path:
-    """The ``mooncake_master`` shipped inside the installed ``mooncake`` package (else on ``PATH``)."""
+def find_master_executable(name: str = EXECUTABLE_NAME) -> Path:
+    """The ``mooncake_master`` (or another of its executables, ``name``) shipped inside the installed
+    ``mooncake`` package, else on ``PATH``."""
     spec = importlib.util.find_spec("mooncake")  # locates the package without importing it
     for folder in (spec.submodule_search_locations or []) if spec is not None else []:
-        candidate = Path(folder) / EXECUTABLE_NAME
+        candidate = Path(folder) / name
         if candidate.is_file() and os.access(candidate, os.X_OK):
             return candidate
-    on_path = shutil.which(EXECUTABLE_NAME)
+    on_path = shutil.which(name)
     if on_path is not None:
         return Path(on_path)
-    raise FileNotFoundError(f"{EXECUTABLE_NAME} not found in the mooncake package or on PATH: {INSTALL_HINT}")
+    raise FileNotFoundError(f"{name} not found in the mooncake package or on PATH: {INSTALL_HINT}")
 
 
 def free_ports(count: int) -> list[int]:
@@ -294,3 +295,44 @@ def segment_holder(
         if holder.poll() is None:
             holder.kill()
             holder.wait(30)
+
+
+@contextlib.contextmanager
+def client_service(
+    master_address: str, segment_size: int | str = "64MiB", *, log_path: str | os.PathLike[str] | None = None
+) -> Iterator[str]:
+    """Mooncake's client service (``mooncake_client``) on loopback, mounting ``segment_size`` on the
+    master; yields its ``"host:port"`` for ``MooncakeConfig.client_service``. Clients attached to it
+    share memory with it, so it must run on their host (and in their network namespace: it announces
+    itself on an abstract Unix socket). Killed on exit: its segment's contents are not needed after.
+    """
+    port = free_ports(1)[0]
+    command = [
+        str(find_master_executable("mooncake_client")),
+        f"--master_server_address={master_address}",
+        "--metadata_server=P2PHANDSHAKE",
+        f"--host={HOST}",
+        f"--port={port}",
+        f"--global_segment_size={parse_size(segment_size, 'segment_size')}",
+        "--local_buffer_size=0",
+    ]
+    with open(log_path or os.devnull, "ab") as log:
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                if process.poll() is not None:
+                    raise RuntimeError(f"mooncake_client exited {process.returncode} before answering")
+                try:
+                    with socket.create_connection((HOST, port), timeout=0.2):
+                        break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"mooncake_client did not answer on {HOST}:{port}") from None
+                    time.sleep(0.02)
+            logger.info("mooncake_client pid %d answers on %s:%d", process.pid, HOST, port)
+            yield f"{HOST}:{port}"
+        finally:
+            if process.poll() is None:
+                process.kill()
+            process.wait(30)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from aiokv import Code
+from aiokv.backends.mooncake_master import client_service
 from aiokv.testing.tiny_model import write_tiny_llama
 from tests.vllm.support import (
     BLOCK,
@@ -176,6 +177,50 @@ def test_shared_prefix_hits_and_matches(
     got = only(loaded["B"], "b")
     assert got["cached"] == 1024
     assert_matches(got, reference, "b", PROMPT_B, tolerance)
+
+
+PROMPT_F = tokens(40, 1234)  # stored and loaded through the client service
+
+
+def test_an_engine_attached_to_a_client_service_loads_and_stores_through_it(
+    world: dict[str, Any],
+    loaded: dict[str, Any],
+    reference: dict[str, Any],
+    tolerance: float,
+    mooncake_master: Any,
+) -> None:
+    """An engine attached to Mooncake's client service through shared memory (vLLM's multiprocess
+    mode: its scheduler attaches too) loads A, which engine A stored over TCP, and stores F through the
+    service, then, its own prefix cache dropped, loads F back."""
+    config = json.loads(world["mooncake_config"].read_text())
+    with client_service(mooncake_master.address, "256MiB") as service:
+        path = world["root"] / "attached.mooncake.json"
+        path.write_text(json.dumps({**config, "client_service": service}))
+        run = run_engine(
+            world["root"],
+            "attached",
+            model=world["model"],
+            env={**MOONCAKE_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+            kv_transfer_config=connector(
+                {"backend": "mooncake", "mooncake_config": str(path), "model_name": MODEL_NAME}
+            ),
+            steps=[
+                generate("a", [PROMPT_A]),
+                generate("f_first", [PROMPT_F]),
+                {"op": "sleep", "seconds": 3},  # F's stores land (no flush across processes)
+                {"op": "evict"},
+                generate("f", [PROMPT_F]),
+            ],
+        )
+    got = only(run, "a")
+    assert got["cached"] == len(PROMPT_A)
+    assert_matches(got, reference, "a", PROMPT_A, tolerance)
+    assert only(run, "f_first")["cached"] == 0
+    got = only(run, "f")
+    assert got["cached"] == len(PROMPT_F)
+    assert_same_greedy(
+        got, only(run, "f_first"), tolerance, "F loaded through the service against F computed"
+    )
 
 
 def test_other_weights_under_the_same_keys_are_refused_chunk_by_chunk(
