@@ -218,7 +218,7 @@ def test_a_services_staging_buffer_has_a_floor() -> None:
         MooncakeConfig.from_dict({**BASE, "client_service": "127.0.0.1:50052", "local_buffer_size": "1MB"})
 
 
-def test_a_killed_service_fails_calls_as_unavailable_and_the_client_closes(
+def test_a_killed_service_fails_calls_as_unavailable_retires_their_lanes_and_the_client_closes(
     store: tuple[MooncakeMaster, str],
 ) -> None:
     import signal
@@ -242,7 +242,13 @@ def test_a_killed_service_fails_calls_as_unavailable_and_the_client_closes(
                 os.kill(int(pid), signal.SIGKILL)
             with pytest.raises(BackendUnavailableError, match=f"client service {service}"):
                 backend.batch_exists(names)
-            with pytest.raises(BackendUnavailableError, match=f"client service {service}"):
-                backend.batch_get(names, [[src]], [[MiB]])
+            # Each failed call retires the staging lane it held (the service could still have used
+            # it had it been alive but slow); with none left a call is refused before any RPC.
+            for left in (1, 0):
+                with pytest.raises(BackendUnavailableError, match=f"client service {service}"):
+                    backend.batch_get(names, [[src]], [[MiB]])
+                assert backend._staging is not None and backend._staging.live_lanes == left
+            with pytest.raises(BackendUnavailableError, match="every staging lane was retired"):
+                backend.batch_put(names, [[src]], [[MiB]])
         backend.close()
         assert backend.closed

@@ -8,6 +8,8 @@ in the service, where a client of another process's segment over TCP pays ~0.6 C
 a transfer here is staged: a put gathers each key's regions from registered memory into a staging
 lane and hands the lane's slots to the service; a get has the service fill the slots and scatters
 them into the keys' regions before it returns, so no caller memory is touched once the call is over.
+A call that fails in the RPC (a timeout, a lost connection) may still be served later, so its lane is
+retired rather than reused.
 
 :class:`ServiceStaging` owns the staging buffer (``local_buffer_size``, cut into lanes so concurrent
 transfer threads never share bytes); :class:`StagedForm` is the call form the backend's put retries
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import queue
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +39,9 @@ logger = logging.getLogger("aiokv.backends.mooncake")
 
 _INVALID = int(Code.INVALID)
 _TRANSFER_FAILED = int(Code.TRANSFER_FAILED)
+# The call itself failed (a timeout or a lost connection): the service may still hold the request and
+# read or write its lane later.
+_RPC_FAILED = int(Code.UNAVAILABLE)
 # The staging buffer is cut into this many lanes: the worker's transfer threads each hold one.
 STAGING_LANES = 2
 # setup_dummy maps a buffer of its own for calls aiokv never makes (put/get of Python bytes).
@@ -83,9 +88,15 @@ class ServiceStaging:
         self.base = base
         shared = (ctypes.c_uint8 * total).from_address(base)
         self._bytes: npt.NDArray[np.uint8] = np.ctypeslib.as_array(shared)
-        self._lanes: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for lane in range(STAGING_LANES):
-            self._lanes.put(lane * self.lane_bytes)
+        self._free = [lane * self.lane_bytes for lane in range(STAGING_LANES)]
+        self._live = STAGING_LANES
+        self._lane_changed = threading.Condition()
+
+    @property
+    def live_lanes(self) -> int:
+        """Lanes still in use: a lane whose call failed in the RPC is retired for good."""
+        with self._lane_changed:
+            return self._live
 
     def put(self, store: Any, keys: list[str], table: RegionTable, replicate: Any) -> list[int]:
         """Per key 0 or a negative code, as ``batch_put_from_multi_buffers`` answers. A key given twice
@@ -151,15 +162,52 @@ class ServiceStaging:
                 self.lane_bytes,
                 _INVALID,
             )
-        lane = self._lanes.get()
+        lane = self._take_lane()
+        retired = False
         try:
             for rows in _pieces(totals, self.lane_bytes):
-                piece = _Piece(rows, lane + _exclusive_cumsum(totals[rows]), totals[rows])
-                for k, code in zip(rows.tolist(), move(piece), strict=True):
+                if retired:  # the rest of the batch is not sent
+                    answers = [_RPC_FAILED] * rows.size
+                else:
+                    answers = move(_Piece(rows, lane + _exclusive_cumsum(totals[rows]), totals[rows]))
+                    # A timed-out call may still be served: the service would then read or write this
+                    # lane while a later call uses it.
+                    retired = _RPC_FAILED in answers
+                for k, code in zip(rows.tolist(), answers, strict=True):
                     codes[k] = code
         finally:
-            self._lanes.put(lane)
+            self._return_lane(lane, retired)
         return codes
+
+    def _take_lane(self) -> int:
+        with self._lane_changed:
+            while not self._free and self._live:
+                self._lane_changed.wait()
+            if not self._free:
+                raise BackendUnavailableError(
+                    f"Mooncake client service {self._service}: every staging lane was retired after calls "
+                    "that failed in the RPC (the service may still use them); close this backend and "
+                    "attach a new one",
+                    code=_RPC_FAILED,
+                    address=self._service,
+                )
+            return self._free.pop()
+
+    def _return_lane(self, lane: int, retired: bool) -> None:
+        with self._lane_changed:
+            if retired:
+                self._live -= 1
+                logger.error(
+                    "Mooncake client service %s: a call failed in the RPC; its staging lane at offset %d "
+                    "is retired (%d of %d left)",
+                    self._service,
+                    lane,
+                    self._live,
+                    STAGING_LANES,
+                )
+            else:
+                self._free.append(lane)
+            self._lane_changed.notify_all()
 
     def _addresses(self, piece: _Piece) -> list[int]:
         return (self.base + piece.slots).tolist()  # type: ignore[no-any-return]
