@@ -225,7 +225,7 @@ def test_a_killed_service_fails_calls_as_unavailable_retires_their_lanes_and_the
     import subprocess
 
     master = store[0]
-    with client_service(master.address, "64MiB") as service:
+    with client_service(master.address, 0) as service:  # killed: it must leave no segment listed
         backend = MooncakeBackend.from_master(
             master.address, global_segment_size=0, client_service=service, local_buffer_size=16 * MiB
         )

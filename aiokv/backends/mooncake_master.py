@@ -304,7 +304,10 @@ def client_service(
     """Mooncake's client service (``mooncake_client``) on loopback, mounting ``segment_size`` on the
     master; yields its ``"host:port"`` for ``MooncakeConfig.client_service``. Clients attached to it
     share memory with it, so it must run on their host (and in their network namespace: it announces
-    itself on an abstract Unix socket). Killed on exit: its segment's contents are not needed after.
+    itself on an abstract Unix socket). Killed on exit: its segment's contents are not needed after,
+    but the master keeps the segment listed for a while and places new puts on it (they fail -800), so
+    a service started on a master that outlives it should mount none (``segment_size=0``: the values
+    then live in the other segments, reached over TCP).
     """
     port = free_ports(1)[0]
     command = [
