@@ -19,7 +19,7 @@ import pytest
 from aiokv import Code
 from aiokv.backends.mooncake import MooncakeBackend, MooncakeConfig
 from aiokv.backends.mooncake_master import MooncakeMaster, client_service, free_ports
-from aiokv.errors import BackendUnavailableError
+from aiokv.errors import BackendError, BackendUnavailableError
 
 from .mooncake_support import CONFIG_BASE, WILD, random_bytes, registered, require_mooncake, unique_keys
 
@@ -188,6 +188,38 @@ def test_concurrent_transfers_share_the_lanes_without_mixing_bytes(attached: Moo
             worker.join(60)
     assert not failures, failures
     assert target.tobytes() == source.tobytes()
+
+
+class _ShortAnswers:
+    """The real store, with one answer too few from its batch get (a malfunction the service cannot be
+    made to show)."""
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def batch_get_into(self, *args: Any) -> list[int]:
+        return list(self._store.batch_get_into(*args))[:-1]
+
+
+def test_a_get_answered_with_too_few_codes_raises_and_keeps_its_lane(
+    attached: MooncakeBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = random_bytes(2 * MiB, seed=21)
+    target = np.zeros(2 * MiB, dtype=np.uint8)
+    with registered(attached, source) as src, registered(attached, target) as dst:
+        names = unique_keys(2)
+        assert attached.batch_put(names, [[src], [src + MiB]], [[MiB], [MiB]]) == [0, 0]
+        monkeypatch.setattr(attached, "_store", _ShortAnswers(attached._store))
+        with pytest.raises(BackendError, match="answered 1 codes for 2 keys"):
+            attached.batch_get(names, [[dst], [dst + MiB]], [[MiB], [MiB]])
+        assert not target.any(), "a refused answer scattered bytes"
+        monkeypatch.undo()
+        assert attached._staging is not None and attached._staging.live_lanes == 2
+        assert attached.batch_get(names, [[dst], [dst + MiB]], [[MiB], [MiB]]) == [MiB, MiB]
+        assert target.tobytes() == source.tobytes()
 
 
 def test_attaching_to_no_service_raises_naming_it(store: tuple[MooncakeMaster, str]) -> None:

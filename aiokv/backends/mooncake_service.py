@@ -30,7 +30,7 @@ import numpy.typing as npt
 
 from .._arrays import IntArray
 from ..codes import Code
-from ..errors import BackendUnavailableError
+from ..errors import BackendError, BackendUnavailableError
 from ._copies import _exclusive_cumsum, gather, offsets_within_keys, scatter, select_keys
 from ._regions import RegionTable, RegisteredMemory
 from .mooncake_config import MooncakeConfig
@@ -116,7 +116,7 @@ class ServiceStaging:
             answers = store.batch_put_from(names, self._addresses(piece), piece.totals.tolist(), replicate)
             return [int(code) for code in answers]
 
-        answers = self._staged(unique, put_piece)
+        answers = self._staged("batch_put_from", unique, put_piece)
         by_row = dict(zip(rows.tolist(), answers, strict=True))
         return [by_row[first[key]] for key in keys]
 
@@ -130,7 +130,7 @@ class ServiceStaging:
             answers = store.batch_get_into(names, self._addresses(piece), piece.totals.tolist())
             native = np.asarray(answers, dtype=np.int64)
             if native.size != len(names):
-                return [int(code) for code in native]  # the backend reports the length mismatch
+                return [int(code) for code in native]  # refused by _staged, nothing scattered
             read = np.flatnonzero(native == piece.totals)
             if read.size:
                 sub = select_keys(table, piece.rows[read])
@@ -143,11 +143,11 @@ class ServiceStaging:
                 for code, size in zip(native.tolist(), piece.totals.tolist(), strict=True)
             ]
 
-        return self._staged(table, get_piece)
+        return self._staged("batch_get_into", table, get_piece)
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _staged(self, table: RegionTable, move: Callable[[_Piece], list[int]]) -> list[int]:
+    def _staged(self, call: str, table: RegionTable, move: Callable[[_Piece], list[int]]) -> list[int]:
         """Run ``move`` over pieces of the keys that fit a lane, holding one lane; a key larger than a
         lane is answered INVALID without a call."""
         totals = table.key_totals()
@@ -173,6 +173,11 @@ class ServiceStaging:
                     # A timed-out call may still be served: the service would then read or write this
                     # lane while a later call uses it.
                     retired = _RPC_FAILED in answers
+                    if len(answers) != rows.size:
+                        raise BackendError(
+                            f"Mooncake {call} (client service {self._service}) answered {len(answers)} "
+                            f"codes for {rows.size} keys"
+                        )
                 for k, code in zip(rows.tolist(), answers, strict=True):
                     codes[k] = code
         finally:
