@@ -111,7 +111,11 @@ class MooncakeBackend(MooncakeExtras, ClosingContext):
         started = time.monotonic()
         cfg = self.config
         if cfg.client_service:
-            self._attach(store)
+            try:
+                self._staging = attach(store, cfg, self._memory)
+            except BaseException:
+                self._closed = True
+                raise
         else:
             rc = store.setup(
                 cfg.local_hostname,
@@ -352,25 +356,6 @@ class MooncakeBackend(MooncakeExtras, ClosingContext):
             pending = [k for k in pending if codes[k] == _TRANSFER_FAILED]
             logger.info("Mooncake put: %d keys failed TRANSFER_FAIL (attempt %d)", len(pending), attempt + 1)
         return codes
-
-    def _attach(self, store: Any) -> None:
-        """Attach to the client service and map the staging buffer shared with it."""
-        service = self.config.client_service
-        rc = attach(store, self.config)
-        if rc != 0:
-            self._closed = True
-            raise BackendUnavailableError(
-                f"cannot attach to the Mooncake client service at {service} ({rc}): is `mooncake_client "
-                f"--port={service.rpartition(':')[2]}` running on this host?",
-                code=rc,
-                address=service,
-            )
-        try:
-            self._staging = ServiceStaging(store, self.config.local_buffer_size, self._memory, service)
-        except BaseException:
-            self._closed = True
-            store.close()
-            raise
 
     def _check_open(self) -> None:
         if self._closed:

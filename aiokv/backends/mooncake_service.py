@@ -58,9 +58,23 @@ class _Piece:
     totals: IntArray
 
 
-def attach(store: Any, config: MooncakeConfig) -> int:
-    """Attach ``store`` (a fresh ``MooncakeDistributedStore``) to ``config.client_service``; its code."""
-    return int(store.setup_dummy(0, _SERVICE_LOCAL_BUFFER, config.client_service))
+def attach(store: Any, config: MooncakeConfig, memory: RegisteredMemory) -> ServiceStaging:
+    """Attach ``store`` (a fresh ``MooncakeDistributedStore``) to ``config.client_service`` and map the
+    staging buffer shared with it; ``memory`` is the backend's registered memory."""
+    service = config.client_service
+    rc = int(store.setup_dummy(0, _SERVICE_LOCAL_BUFFER, service))
+    if rc != 0:
+        raise BackendUnavailableError(
+            f"cannot attach to the Mooncake client service at {service} ({rc}): is `mooncake_client "
+            f"--port={service.rpartition(':')[2]}` running on this host?",
+            code=rc,
+            address=service,
+        )
+    try:
+        return ServiceStaging(store, config.local_buffer_size, memory, service)
+    except BaseException:
+        store.close()
+        raise
 
 
 class ServiceStaging:
