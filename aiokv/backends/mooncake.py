@@ -23,7 +23,6 @@ from typing import Any
 from .._arrays import BoolArray
 from ..codes import Code, code_name
 from ..errors import BackendError, BackendUnavailableError, InvalidRequestError
-from ._copies import select_keys
 from ._regions import Regions, RegionTable, RegisteredMemory, check_keys
 from .base import ClosingContext
 from .mooncake_binding import TCP_QUEUE_ENV, import_store
@@ -139,7 +138,7 @@ class MooncakeBackend(MooncakeExtras, ClosingContext):
         logger.info(
             "Mooncake client %s connected to %s in %.0f ms",
             cfg.local_hostname,
-            f"client service {cfg.client_service}" if cfg.client_service else f"master {self.master_address}",
+            self._peer,
             (time.monotonic() - started) * 1e3,
         )
 
@@ -304,8 +303,7 @@ class MooncakeBackend(MooncakeExtras, ClosingContext):
         if self._staging is None:
             form = call_form(batch, op, prefer_same_node=self.config.prefer_alloc_in_same_node)
         else:
-            table = batch.table if batch.subset is None else select_keys(batch.table, batch.subset)
-            form = StagedForm(self._staging, table)
+            form = StagedForm(self._staging, batch.proven_table())
         if op == "put":
             native = self._put(batch.keys, form)
         else:
@@ -357,6 +355,12 @@ class MooncakeBackend(MooncakeExtras, ClosingContext):
             logger.info("Mooncake put: %d keys failed TRANSFER_FAIL (attempt %d)", len(pending), attempt + 1)
         return codes
 
+    @property
+    def _peer(self) -> str:
+        """What this client talks to: its client service, or the master."""
+        service = self.config.client_service
+        return f"client service {service}" if service else f"master {self.master_address}"
+
     def _check_open(self) -> None:
         if self._closed:
             raise BackendError(f"MooncakeBackend (master {self.master_address}) is closed")
@@ -378,12 +382,10 @@ class MooncakeBackend(MooncakeExtras, ClosingContext):
 
     def _error(self, call: str, code: int) -> BackendError:
         if code in _UNAVAILABLE_CODES:
-            service = self.config.client_service
-            peer = f"client service {service}" if service else f"master {self.master_address}"
             return BackendUnavailableError(
-                f"Mooncake {call}: {peer} unreachable ({code_name(code)}, {code})",
+                f"Mooncake {call}: {self._peer} unreachable ({code_name(code)}, {code})",
                 code=code,
-                address=service or self.master_address,
+                address=self.config.client_service or self.master_address,
             )
         return BackendError(f"Mooncake {call} failed: {code_name(code)} ({code})", code=code)
 

@@ -34,6 +34,7 @@ import numpy as np
 
 from .._arrays import IntArray
 from ..codes import Code
+from ._copies import select_keys
 from ._regions import Regions, RegionTable, RegisteredMemory, check_keys
 
 logger = logging.getLogger("aiokv.backends.mooncake")
@@ -83,6 +84,10 @@ class ProvenBatch:
 
     def region_lists(self) -> tuple[list[list[int]], list[list[int]]]:
         return region_lists(self.table, self.subset)
+
+    def proven_table(self) -> RegionTable:
+        """The proven keys' regions alone, in their order."""
+        return self.table if self.subset is None else select_keys(self.table, self.subset)
 
     def flat_regions(self) -> tuple[list[int], list[int]] | None:
         """One address and one size per proven key, or None when a key has more than one region."""
